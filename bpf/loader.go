@@ -1,0 +1,380 @@
+package bpf
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+// ErrIncompatiblePin is wrapped when a pin exists but was made by a datapath
+// whose layout differs from this one. podfence never replaces such a pin
+// silently: replicas attached to it would stop sharing state.
+var ErrIncompatiblePin = errors.New("incompatible pin")
+
+// Pin names. Directory layout below a pin root:
+//
+//	<root>/global/<map>           maps shared by every identifier on the node
+//	<root>/ids/<identifier>/<obj> programs and maps of one identifier
+const (
+	GlobalDir      = "global"
+	IdentifiersDir = "ids"
+
+	ProgIngressPin = "prog_ingress"
+	ProgEgressPin  = "prog_egress"
+)
+
+// Map and program names as they appear in the object file (and in pins).
+const (
+	mapCTv4        = "ct_v4"
+	mapCTv6        = "ct_v6"
+	mapNodeAddrs   = "node_addrs"
+	mapDenyEvents  = "deny_events"
+	mapEventBudget = "event_budget"
+	mapState       = "state"
+	mapCounters    = "counters"
+
+	progIngress = "pod_ingress"
+	progEgress  = "pod_egress"
+)
+
+var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget}
+
+// policyMaps are indexed by [direction][family], family 0 for IPv4, 1 for IPv6.
+var policyMaps = [2][2]string{
+	{"pol_in_v4", "pol_in_v6"},
+	{"pol_eg_v4", "pol_eg_v6"},
+}
+
+var (
+	specOnce sync.Once
+	specErr  error
+	spec     *ebpf.CollectionSpec
+)
+
+// collectionSpec parses the embedded object once per process; callers get a copy.
+func collectionSpec() (*ebpf.CollectionSpec, error) {
+	specOnce.Do(func() {
+		spec, specErr = loadPodfence()
+	})
+	if specErr != nil {
+		return nil, fmt.Errorf("load embedded datapath object: %w", specErr)
+	}
+	return spec.Copy(), nil
+}
+
+// Global holds the node-wide maps: conntrack (v4, v6), the node's own
+// addresses, the deny-event ring buffer and its rate limiter.
+type Global struct {
+	CTv4, CTv6  *ebpf.Map
+	NodeAddrs   *ebpf.Map
+	DenyEvents  *ebpf.Map
+	EventBudget *ebpf.Map
+}
+
+// OpenGlobal opens the node-wide maps pinned below pinRoot, creating and
+// pinning them on first use. A pinned map of another layout is an error
+// wrapping ErrIncompatiblePin.
+func OpenGlobal(pinRoot string) (*Global, error) {
+	cs, err := collectionSpec()
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(pinRoot, GlobalDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create pin directory: %w", err)
+	}
+	maps := make(map[string]*ebpf.Map, len(globalMaps))
+	for _, name := range globalMaps {
+		m, err := openPinnedMap(cs.Maps[name], dir)
+		if err != nil {
+			closeMaps(maps)
+			return nil, err
+		}
+		maps[name] = m
+	}
+	return &Global{
+		CTv4:        maps[mapCTv4],
+		CTv6:        maps[mapCTv6],
+		NodeAddrs:   maps[mapNodeAddrs],
+		DenyEvents:  maps[mapDenyEvents],
+		EventBudget: maps[mapEventBudget],
+	}, nil
+}
+
+// openPinnedMap loads the map pinned as dir/<name> when it is compatible with
+// ms, or creates and pins it. Two processes racing to create it both end up
+// with the one that was pinned first.
+func openPinnedMap(ms *ebpf.MapSpec, dir string) (*ebpf.Map, error) {
+	ms = ms.Copy()
+	ms.Pinning = ebpf.PinByName
+	for attempt := 0; ; attempt++ {
+		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: dir})
+		if err == nil {
+			return m, nil
+		}
+		if errors.Is(err, ebpf.ErrMapIncompatible) {
+			return nil, fmt.Errorf("pin %s: %w: %w", filepath.Join(dir, ms.Name), ErrIncompatiblePin, err)
+		}
+		// Lost a creation race: the winner's pin is there now.
+		if errors.Is(err, os.ErrExist) && attempt < 3 {
+			continue
+		}
+		return nil, fmt.Errorf("open map %s in %s: %w", ms.Name, dir, err)
+	}
+}
+
+// Close releases the file descriptors; the pins stay.
+func (g *Global) Close() error {
+	return closeAll(g.CTv4, g.CTv6, g.NodeAddrs, g.DenyEvents, g.EventBudget)
+}
+
+func (g *Global) replacements() map[string]*ebpf.Map {
+	return map[string]*ebpf.Map{
+		mapCTv4:        g.CTv4,
+		mapCTv6:        g.CTv6,
+		mapNodeAddrs:   g.NodeAddrs,
+		mapDenyEvents:  g.DenyEvents,
+		mapEventBudget: g.EventBudget,
+	}
+}
+
+// Identifier is the datapath of one pod identifier: its two programs and the
+// maps they share with every replica.
+type Identifier struct {
+	ID  podid.ID
+	Dir string // pin directory
+
+	Ingress, Egress *ebpf.Program
+	State, Counters *ebpf.Map
+	// Policy tries by [policy.Direction][family], family 0 IPv4, 1 IPv6.
+	Policy [2][2]*ebpf.Map
+}
+
+// IdentifierDir is where the objects of id are pinned below pinRoot.
+func IdentifierDir(pinRoot string, id podid.ID) string {
+	return filepath.Join(pinRoot, IdentifiersDir, string(id))
+}
+
+// OpenIdentifier returns the programs and maps of id, reusing its pins when
+// they exist and are compatible, loading and pinning them otherwise. The
+// caller must serialise calls for the same identifier (the CNI plugin holds
+// the identifier's lock); a fresh identifier allows everything until
+// ApplyPolicy programs it.
+func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error) {
+	if !podid.Valid(string(id)) {
+		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
+	}
+	cs, err := collectionSpec()
+	if err != nil {
+		return nil, err
+	}
+	dir := IdentifierDir(pinRoot, id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create pin directory: %w", err)
+	}
+
+	ident := &Identifier{ID: id, Dir: dir}
+	if err := ident.openMaps(cs, dir); err != nil {
+		return nil, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	reused, err := ident.openPinnedPrograms(g)
+	if err != nil {
+		ident.Close()
+		return nil, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	if reused {
+		return ident, nil
+	}
+	if err := ident.loadPrograms(cs, g); err != nil {
+		ident.Close()
+		return nil, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	return ident, nil
+}
+
+func (i *Identifier) openMaps(cs *ebpf.CollectionSpec, dir string) error {
+	var err error
+	_, statePinned := os.Stat(filepath.Join(dir, mapState))
+	if i.State, err = openPinnedMap(cs.Maps[mapState], dir); err != nil {
+		return err
+	}
+	if statePinned != nil {
+		// A fresh identifier starts at a random generation, so conntrack
+		// entries left by an earlier identifier of the same name are
+		// re-checked rather than trusted.
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		st := podfenceIdState{Generation: binary.LittleEndian.Uint32(b[:])}
+		if err := i.State.Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("initialise state: %w", err)
+		}
+	}
+	if i.Counters, err = openPinnedMap(cs.Maps[mapCounters], dir); err != nil {
+		return err
+	}
+	for d := range policyMaps {
+		for f := range policyMaps[d] {
+			if i.Policy[d][f], err = openPinnedMap(cs.Maps[policyMaps[d][f]], dir); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// openPinnedPrograms reuses pinned programs when both exist and use exactly
+// this identifier's maps and the node's global maps.
+func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
+	ingress, errIn := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, ProgIngressPin), nil)
+	egress, errEg := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, ProgEgressPin), nil)
+	if errIn != nil || errEg != nil {
+		closeAll(ingress, egress)
+		for _, err := range []error{errIn, errEg} {
+			if err != nil && !errors.Is(err, os.ErrNotExist) {
+				return false, fmt.Errorf("load pinned program: %w", err)
+			}
+		}
+		// One or both missing: a first ADD, or one killed midway. Loading
+		// afresh repairs it; replacing a lone pin is safe because attached
+		// hooks hold their own reference.
+		return false, nil
+	}
+	want := map[ebpf.MapID]bool{}
+	for _, m := range append(i.maps(), g.CTv4, g.CTv6, g.NodeAddrs, g.DenyEvents, g.EventBudget) {
+		info, err := m.Info()
+		if err != nil {
+			closeAll(ingress, egress)
+			return false, fmt.Errorf("map info: %w", err)
+		}
+		id, _ := info.ID()
+		want[id] = true
+	}
+	for _, p := range []struct {
+		prog *ebpf.Program
+		name string
+		pin  string
+	}{{ingress, progIngress, ProgIngressPin}, {egress, progEgress, ProgEgressPin}} {
+		if err := checkProgram(p.prog, p.name, want); err != nil {
+			closeAll(ingress, egress)
+			return false, fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, p.pin), ErrIncompatiblePin, err)
+		}
+	}
+	i.Ingress, i.Egress = ingress, egress
+	return true, nil
+}
+
+func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error {
+	info, err := p.Info()
+	if err != nil {
+		return fmt.Errorf("program info: %w", err)
+	}
+	if info.Type != ebpf.SchedCLS || info.Name != name {
+		return fmt.Errorf("program is %s %q, want %s %q", info.Type, info.Name, ebpf.SchedCLS, name)
+	}
+	ids, ok := info.MapIDs()
+	if !ok {
+		return nil // kernel does not report map IDs; name and type must do
+	}
+	for _, id := range ids {
+		if !want[id] {
+			return fmt.Errorf("program uses map id %d, which is not one of this identifier's or the node's maps", id)
+		}
+	}
+	return nil
+}
+
+func (i *Identifier) loadPrograms(cs *ebpf.CollectionSpec, g *Global) error {
+	repl := g.replacements()
+	repl[mapState] = i.State
+	repl[mapCounters] = i.Counters
+	for d := range policyMaps {
+		for f := range policyMaps[d] {
+			repl[policyMaps[d][f]] = i.Policy[d][f]
+		}
+	}
+	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{MapReplacements: repl})
+	if err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return fmt.Errorf("load programs: %+v", ve)
+		}
+		return fmt.Errorf("load programs: %w", err)
+	}
+	i.Ingress, i.Egress = coll.Programs[progIngress], coll.Programs[progEgress]
+	delete(coll.Programs, progIngress)
+	delete(coll.Programs, progEgress)
+	coll.Close()
+
+	for _, p := range []struct {
+		prog *ebpf.Program
+		pin  string
+	}{{i.Ingress, ProgIngressPin}, {i.Egress, ProgEgressPin}} {
+		if err := pinReplacing(p.prog, filepath.Join(i.Dir, p.pin)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// pinReplacing pins p at path. A stale pin (left by a killed plugin) is
+// replaced through a rename so that the path never goes missing.
+func pinReplacing(p *ebpf.Program, path string) error {
+	tmp := path + "~new"
+	_ = os.Remove(tmp)
+	if err := p.Pin(tmp); err != nil {
+		return fmt.Errorf("pin program %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("pin program %s: %w", path, err)
+	}
+	return nil
+}
+
+func (i *Identifier) maps() []*ebpf.Map {
+	return []*ebpf.Map{i.State, i.Counters, i.Policy[0][0], i.Policy[0][1], i.Policy[1][0], i.Policy[1][1]}
+}
+
+// Close releases the file descriptors; the pins stay.
+func (i *Identifier) Close() error {
+	err := closeAll(i.maps()...)
+	return errors.Join(err, closeAll(i.Ingress, i.Egress))
+}
+
+// RemoveIdentifier removes every pin of id. Attached hooks keep their
+// programs alive until they are detached; call it only once no member is left.
+func RemoveIdentifier(pinRoot string, id podid.ID) error {
+	if !podid.Valid(string(id)) {
+		return fmt.Errorf("remove identifier %q: %w", id, podid.ErrInvalid)
+	}
+	if err := os.RemoveAll(IdentifierDir(pinRoot, id)); err != nil {
+		return fmt.Errorf("remove identifier %q: %w", id, err)
+	}
+	return nil
+}
+
+func closeMaps(maps map[string]*ebpf.Map) {
+	for _, m := range maps {
+		m.Close()
+	}
+}
+
+// closeAll closes every object (Close is nil-safe on maps and programs) and
+// returns the first error.
+func closeAll[T interface{ Close() error }](objs ...T) error {
+	var first error
+	for _, o := range objs {
+		if err := o.Close(); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}

@@ -1,0 +1,372 @@
+//go:build ignore
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+//
+// podfence datapath: one ingress and one egress TC program per pod
+// identifier, both handling IPv4 and IPv6. The pod's egress program runs at
+// its host veth's TC ingress, its ingress program at TC egress.
+//
+// Per packet: conntrack hit (forward or reversed tuple) with the current
+// policy generation allows; a stale generation re-checks the flow; anything
+// else is evaluated against the policy tries and, when allowed, tracked.
+// Allow returns TC_ACT_UNSPEC (TCX_NEXT) so later TC programs still run.
+
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+
+#include "types.h"
+#include "parse.h"
+
+char __license[] SEC("license") = "Dual BSD/GPL";
+
+#define VERDICT_ALLOW TC_ACT_UNSPEC
+#define VERDICT_DROP TC_ACT_SHOT
+
+// Deny events: one per EVENT_INTERVAL_NS per CPU on average, bursts of EVENT_BURST.
+#define EVENT_INTERVAL_NS 1000000ULL
+#define EVENT_BURST 64
+
+// ---- Global maps, pinned once per node and shared by every identifier ----
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__uint(max_entries, 131072);
+	__type(key, struct ct_key_v4);
+	__type(value, struct ct_value);
+} ct_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(map_flags, BPF_F_NO_COMMON_LRU);
+	__uint(max_entries, 65536);
+	__type(key, struct ct_key_v6);
+	__type(value, struct ct_value);
+} ct_v6 SEC(".maps");
+
+// The node's own addresses (IPv4 as IPv4-mapped IPv6): kubelet probes come
+// from them and are always allowed.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u8[16]);
+	__type(value, __u8);
+} node_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} deny_events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct event_budget);
+} event_budget SEC(".maps");
+
+// ---- Per-identifier maps, pinned per identifier and shared by its replicas ----
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct id_state);
+} state SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2 * REASON_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+#define POLICY_TRIE(name, keytype)                                                                 \
+	struct {                                                                                   \
+		__uint(type, BPF_MAP_TYPE_LPM_TRIE);                                               \
+		__uint(map_flags, BPF_F_NO_PREALLOC);                                              \
+		__uint(max_entries, 16384);                                                        \
+		__type(key, keytype);                                                              \
+		__type(value, struct policy_value);                                                \
+	} name SEC(".maps")
+
+POLICY_TRIE(pol_in_v4, struct lpm_key_v4);
+POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
+POLICY_TRIE(pol_eg_v4, struct lpm_key_v4);
+POLICY_TRIE(pol_eg_v6, struct lpm_key_v6);
+
+static __always_inline void count(int dir, int reason)
+{
+	__u32 idx = dir * REASON_MAX + reason;
+	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
+	if (c)
+		*c += 1;
+}
+
+// Selector bits of policy_lookup's third argument.
+#define SEL_EGRESS (1u << 31)
+#define SEL_IPV6 (1u << 30)
+#define SEL_PROTO_SHIFT 16
+
+union addr_words {
+	__u64 w[2];
+	__u8 b[16];
+};
+
+// policy_lookup is the policy evaluation of a new or re-checked flow: the
+// trie entry of the remote address, then a scan of its port ranges. It is a
+// global function, which the verifier checks once on its own with unknown
+// arguments, instead of once per path through its callers (a 64-iteration
+// loop inlined at every such path multiplies the verifier's work twentyfold).
+// Global functions take scalars only on 5.10, hence the packed arguments:
+// the address as two words and sel = direction | family | proto << 16 | port.
+__attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 sel)
+{
+	union addr_words a = {.w = {addr_hi, addr_lo}};
+	struct lpm_key_v6 key = {.prefixlen = (sel & SEL_IPV6) ? 128 : 32};
+	struct policy_value *v;
+	__builtin_memcpy(key.addr, a.b, 16);
+
+	if (sel & SEL_EGRESS)
+		v = bpf_map_lookup_elem((sel & SEL_IPV6) ? (void *)&pol_eg_v6 : (void *)&pol_eg_v4, &key);
+	else
+		v = bpf_map_lookup_elem((sel & SEL_IPV6) ? (void *)&pol_in_v6 : (void *)&pol_in_v4, &key);
+	if (!v)
+		return 0;
+
+	__u32 proto = (sel >> SEL_PROTO_SHIFT) & 0xff;
+	__u32 port = sel & 0xffff;
+	for (int i = 0; i < MAX_PORT_RANGES; i++) {
+		if (i >= v->count)
+			break;
+		// Branch-free match (BPF has no conditional set, and every branch
+		// here is one more path for the verifier): both terms are negative
+		// exactly when the protocol matches (or the range is for any
+		// protocol) and first <= port <= last.
+		struct port_range *r = &v->ranges[i];
+		__s32 proto_miss = (__s32)((r->proto ^ proto) * r->proto) - 1;
+		__s32 port_in = (__s32)((port - r->first) & 0xffff) - (__s32)(r->last - r->first) - 1;
+		if ((proto_miss & port_in) < 0)
+			return 1;
+	}
+	return 0;
+}
+
+// policy_allows evaluates one direction's policy for a flow whose remote end
+// is addr (network order, 4 or 16 bytes) and whose destination port is port.
+static __always_inline int policy_allows(int dir, const int family, struct id_state *st,
+					 const __u8 *addr, __u8 proto, __u16 port)
+{
+	if (!(st->isolated & (1 << dir)))
+		return 1;
+	union addr_words a = {};
+	__builtin_memcpy(a.b, addr, family == 4 ? 4 : 16);
+	__u32 sel = (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0) |
+		    ((__u32)proto << SEL_PROTO_SHIFT) | port;
+	return policy_lookup(a.w[0], a.w[1], sel);
+}
+
+static __always_inline int is_node_addr(const int family, const __u8 *addr)
+{
+	__u8 key[16] = {};
+	if (family == 4) {
+		key[10] = 0xff;
+		key[11] = 0xff;
+		__builtin_memcpy(&key[12], addr, 4);
+	} else {
+		__builtin_memcpy(key, addr, 16);
+	}
+	return bpf_map_lookup_elem(&node_addrs, key) != NULL;
+}
+
+static __always_inline int event_allowed(__u64 now)
+{
+	__u32 zero = 0;
+	struct event_budget *b = bpf_map_lookup_elem(&event_budget, &zero);
+	if (!b)
+		return 0;
+	__u64 refill = (now - b->last_ns) / EVENT_INTERVAL_NS;
+	if (refill) {
+		b->tokens = b->tokens + refill > EVENT_BURST ? EVENT_BURST : b->tokens + refill;
+		b->last_ns = now;
+	}
+	if (!b->tokens)
+		return 0;
+	b->tokens--;
+	return 1;
+}
+
+static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason)
+{
+	count(dir, reason);
+	__u64 now = bpf_ktime_get_ns();
+	if (!event_allowed(now))
+		return VERDICT_DROP;
+	struct deny_event *e = bpf_ringbuf_reserve(&deny_events, sizeof(*e), 0);
+	if (!e)
+		return VERDICT_DROP;
+	__builtin_memset(e, 0, sizeof(*e));
+	e->timestamp_ns = now;
+	e->ifindex = skb->ifindex;
+	e->family = f->family;
+	e->proto = f->proto;
+	e->direction = dir;
+	e->reason = reason;
+	e->sport = f->sport;
+	e->dport = f->dport;
+	__builtin_memcpy(e->src, f->src.v6, 16);
+	__builtin_memcpy(e->dst, f->dst.v6, 16);
+	bpf_ringbuf_submit(e, 0);
+	return VERDICT_DROP;
+}
+
+union ct_key {
+	struct ct_key_v4 v4;
+	struct ct_key_v6 v6;
+};
+
+static __always_inline void *ct_map(const int family)
+{
+	return family == 4 ? (void *)&ct_v4 : (void *)&ct_v6;
+}
+
+// CT_FILL fills one family's key; the two key types differ only in address size.
+#define CT_FILL(k, f, owner, reverse, ifidx, alen)                                                 \
+	do {                                                                                       \
+		__builtin_memcpy((k).owner, owner, alen);                                          \
+		__builtin_memcpy((k).src, (reverse) ? (f)->dst.v6 : (f)->src.v6, alen);            \
+		__builtin_memcpy((k).dst, (reverse) ? (f)->src.v6 : (f)->dst.v6, alen);            \
+		(k).sport = (reverse) ? (f)->dport : (f)->sport;                                   \
+		(k).dport = (reverse) ? (f)->sport : (f)->dport;                                   \
+		(k).proto = (f)->proto;                                                            \
+		(k).ifindex = (ifidx);                                                             \
+	} while (0)
+
+// ct_key_fill builds the key of f as seen by the pod on this direction's
+// program: the owner is the pod's end of the packet (source for egress,
+// destination for ingress); reverse gives the key a reply's flow was stored under.
+static __always_inline void ct_key_fill(union ct_key *k, const int family, const int dir,
+					struct flow *f, int reverse, __u32 ifindex)
+{
+	const __u8 *owner = dir == DIR_EGRESS ? f->src.v6 : f->dst.v6;
+	if (family == 4)
+		CT_FILL(k->v4, f, owner, reverse, ifindex, 4);
+	else
+		CT_FILL(k->v6, f, owner, reverse, ifindex, 16);
+}
+
+static __always_inline int allow_tracked(const int dir, struct ct_value *v, struct id_state *st,
+					 int reason)
+{
+	v->generation = st->generation;
+	v->last_seen_ns = bpf_ktime_get_ns();
+	count(dir, reason);
+	return VERDICT_ALLOW;
+}
+
+static __always_inline int allow_new(const int dir, const int family, union ct_key *key,
+				     struct ct_value *nv, int reason)
+{
+	if (dir == DIR_EGRESS)
+		nv->flags |= CT_EGRESS;
+	nv->last_seen_ns = bpf_ktime_get_ns();
+	bpf_map_update_elem(ct_map(family), key, nv, BPF_ANY);
+	count(dir, reason);
+	return VERDICT_ALLOW;
+}
+
+// enforce_family is specialised by the compiler per direction and family
+// (both are constants), so the conntrack map references are constants too.
+// Policy is evaluated at one place, for new flows and for tracked flows whose
+// generation is stale alike: that keeps the verifier's work (and the load
+// time of a first replica) small.
+static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
+					  struct flow *f, struct id_state *st)
+{
+	union ct_key key = {};
+	__u32 ifindex = skb->ifindex;
+	int reverse = 0;
+
+	ct_key_fill(&key, family, dir, f, 0, ifindex);
+	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
+	if (!v) {
+		reverse = 1;
+		ct_key_fill(&key, family, dir, f, 1, ifindex);
+		v = bpf_map_lookup_elem(ct_map(family), &key);
+	}
+
+	// A tracked flow is judged in the direction that created it; a new
+	// flow in this program's direction. reverse means f is the reply.
+	int eval_dir = dir;
+	struct ct_value nv = {.generation = st->generation};
+	if (v) {
+		int reason = reverse ? REASON_CT_REPLY : REASON_CT_ESTABLISHED;
+		if (v->generation == st->generation || (v->flags & CT_NODE))
+			return allow_tracked(dir, v, st, reason);
+		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
+	} else {
+		reverse = 0;
+		ct_key_fill(&key, family, dir, f, 0, ifindex);
+		if (!(st->isolated & (1 << dir)))
+			return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
+		if (dir == DIR_INGRESS && is_node_addr(family, f->src.v6)) {
+			nv.flags = CT_NODE;
+			return allow_new(dir, family, &key, &nv, REASON_NODE);
+		}
+	}
+
+	// The remote end of the original direction: its source for ingress,
+	// its destination for egress. Ports are judged on its destination port.
+	const __u8 *remote;
+	if (eval_dir == DIR_INGRESS)
+		remote = reverse ? f->dst.v6 : f->src.v6;
+	else
+		remote = reverse ? f->src.v6 : f->dst.v6;
+	__u16 dport = reverse ? f->sport : f->dport;
+	int allowed = policy_allows(eval_dir, family, st, remote, f->proto, dport);
+
+	if (v) {
+		if (allowed)
+			return allow_tracked(dir, v, st, reverse ? REASON_CT_REPLY : REASON_CT_ESTABLISHED);
+		bpf_map_delete_elem(ct_map(family), &key);
+		return deny(skb, dir, f, REASON_REVOKED);
+	}
+	if (!allowed)
+		return deny(skb, dir, f, REASON_POLICY_DENY);
+	return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
+}
+
+static __always_inline int enforce(struct __sk_buff *skb, const int dir)
+{
+	struct flow f = {};
+
+	switch (parse(skb, &f)) {
+	case PARSE_NOT_IP:
+		count(dir, REASON_NOT_IP);
+		return VERDICT_ALLOW;
+	case PARSE_MALFORMED:
+		count(dir, REASON_MALFORMED);
+		return VERDICT_DROP;
+	}
+
+	__u32 zero = 0;
+	struct id_state *st = bpf_map_lookup_elem(&state, &zero);
+	if (!st)
+		return VERDICT_DROP; // an array map always has entry 0
+
+	if (f.family == 4)
+		return enforce_family(skb, dir, 4, &f, st);
+	return enforce_family(skb, dir, 6, &f, st);
+}
+
+SEC("tc")
+int pod_ingress(struct __sk_buff *skb)
+{
+	return enforce(skb, DIR_INGRESS);
+}
+
+SEC("tc")
+int pod_egress(struct __sk_buff *skb)
+{
+	return enforce(skb, DIR_EGRESS);
+}

@@ -1,0 +1,130 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// Mode values stored in id_state.mode.
+const (
+	stateModeStandard uint8 = 0
+	stateModeStrict   uint8 = 1
+)
+
+// ApplyPolicy programs the identifier's tries with set and then bumps the
+// policy generation, so that tracked flows are re-checked against the new
+// rules on their next packet. Entries are written before the isolation bits
+// change, so a direction that becomes isolated is never enforced against an
+// empty trie. Callers serialise ApplyPolicy per identifier.
+func (i *Identifier) ApplyPolicy(set policy.Set) error {
+	var desired [2][2]map[string]*podfencePolicyValue
+	for _, d := range []policy.Direction{policy.Ingress, policy.Egress} {
+		v4, v6, err := set.Direction(d).Compile()
+		if err != nil {
+			return fmt.Errorf("compile %s policy of %q: %w", d, i.ID, err)
+		}
+		for f, entries := range [][]policy.Entry{v4, v6} {
+			if desired[d][f], err = encodeEntries(entries); err != nil {
+				return fmt.Errorf("encode %s policy of %q: %w", d, i.ID, err)
+			}
+		}
+	}
+	for d := range desired {
+		for f := range desired[d] {
+			if err := syncTrie(i.Policy[d][f], desired[d][f]); err != nil {
+				return fmt.Errorf("write %s policy of %q: %w", policy.Direction(d), i.ID, err)
+			}
+		}
+	}
+
+	var st podfenceIdState
+	if err := i.State.Lookup(uint32(0), &st); err != nil {
+		return fmt.Errorf("read state of %q: %w", i.ID, err)
+	}
+	st.Generation++
+	st.Mode = stateModeStandard
+	if set.Mode == policy.ModeStrict {
+		st.Mode = stateModeStrict
+	}
+	st.Isolated = 0
+	if set.Ingress.Isolated {
+		st.Isolated |= 1 << policy.Ingress
+	}
+	if set.Egress.Isolated {
+		st.Isolated |= 1 << policy.Egress
+	}
+	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("write state of %q: %w", i.ID, err)
+	}
+	return nil
+}
+
+// Generation returns the identifier's current policy generation.
+func (i *Identifier) Generation() (uint32, error) {
+	var st podfenceIdState
+	if err := i.State.Lookup(uint32(0), &st); err != nil {
+		return 0, fmt.Errorf("read state of %q: %w", i.ID, err)
+	}
+	return st.Generation, nil
+}
+
+// encodeEntries returns the trie contents for entries, keyed by the binary
+// LPM key (4-byte prefix length, then the address bytes).
+func encodeEntries(entries []policy.Entry) (map[string]*podfencePolicyValue, error) {
+	out := make(map[string]*podfencePolicyValue, len(entries))
+	for _, e := range entries {
+		if len(e.Ports) > policy.MaxPortRanges {
+			return nil, fmt.Errorf("prefix %s: %d port ranges: %w", e.Prefix, len(e.Ports), policy.ErrTooManyPortRanges)
+		}
+		v := &podfencePolicyValue{Count: uint32(len(e.Ports))}
+		for j, r := range e.Ports {
+			v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
+		}
+		out[string(lpmKey(e.Prefix))] = v
+	}
+	return out, nil
+}
+
+// lpmKey encodes a prefix as the kernel's struct bpf_lpm_trie_key: prefix
+// length in host order (little-endian here), then the address in network order.
+func lpmKey(p netip.Prefix) []byte {
+	addr := p.Masked().Addr().AsSlice()
+	key := make([]byte, 4+len(addr))
+	key[0] = byte(p.Bits())
+	copy(key[4:], addr)
+	return key
+}
+
+// syncTrie makes m hold exactly want: new and changed entries are written
+// first, stale ones deleted after, so an address never loses an allowance it
+// keeps under the new policy.
+func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) error {
+	for k, v := range want {
+		if err := m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("update entry: %w", err)
+		}
+	}
+	var stale [][]byte
+	key := make([]byte, m.KeySize())
+	var value podfencePolicyValue
+	it := m.Iterate()
+	for it.Next(&key, &value) {
+		if _, ok := want[string(key)]; !ok {
+			stale = append(stale, append([]byte(nil), key...))
+		}
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("iterate entries: %w", err)
+	}
+	for _, k := range stale {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete entry: %w", err)
+		}
+	}
+	return nil
+}

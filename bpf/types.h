@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+// Types shared by the datapath and, through bpf2go, by the Go loader. Every
+// layout change here is a map incompatibility: the loader then refuses the
+// old pins instead of silently reusing them (see bpf/loader.go).
+#pragma once
+
+#include <linux/types.h>
+
+// Port ranges one LPM entry holds; the policy compiler refuses more.
+#ifndef MAX_PORT_RANGES
+#define MAX_PORT_RANGES 64
+#endif
+
+enum direction {
+	DIR_INGRESS = 0, // traffic to the pod: runs at the host veth's TC egress
+	DIR_EGRESS = 1,  // traffic from the pod: runs at the host veth's TC ingress
+};
+
+// Why a packet got its verdict; index into the per-identifier counters
+// (counter index = direction * REASON_MAX + reason) and part of deny events.
+enum reason {
+	REASON_CT_ESTABLISHED = 0, // conntrack hit in the flow's own direction
+	REASON_CT_REPLY = 1,       // conntrack hit of the reversed tuple
+	REASON_POLICY_ALLOW = 2,   // new flow allowed by a rule
+	REASON_NOT_ISOLATED = 3,   // new flow in a direction no policy isolates
+	REASON_NODE = 4,           // new flow from one of the node's addresses
+	REASON_NOT_IP = 5,         // not IPv4/IPv6 (ARP, LLDP): passed
+	REASON_POLICY_DENY = 6,    // new flow no rule allows
+	REASON_REVOKED = 7,        // tracked flow the current policy no longer allows
+	REASON_MALFORMED = 8,      // truncated or malformed IP packet: dropped
+	REASON_MAX = 9,
+};
+
+// State of one identifier (array map with one entry).
+struct id_state {
+	__u32 generation; // bumped by every policy change; stale conntrack entries are re-checked
+	__u8 mode;        // 0 standard, 1 strict (informational: isolation already encodes it)
+	__u8 isolated;    // bit (1 << direction) set: that direction is enforced
+	__u8 pad[2];
+};
+
+// One allowed port range. proto 0 matches every protocol.
+struct port_range {
+	__u8 proto;
+	__u8 pad;
+	__u16 first; // host byte order
+	__u16 last;  // inclusive
+};
+
+// Value of a policy LPM entry: what is allowed for addresses whose longest
+// matching prefix is the key. count 0 denies.
+struct policy_value {
+	__u32 count;
+	struct port_range ranges[MAX_PORT_RANGES];
+};
+
+struct lpm_key_v4 {
+	__u32 prefixlen;
+	__u8 addr[4];
+};
+
+struct lpm_key_v6 {
+	__u32 prefixlen;
+	__u8 addr[16];
+};
+
+// Conntrack keys. Addresses are in network order, ports in host order. The
+// owner is the enforcing pod's address (source for egress, destination for
+// ingress); ifindex is its host veth. ICMP echo uses the identifier as both
+// ports, so a reply's reversed key finds its request.
+struct ct_key_v4 {
+	__u8 src[4];
+	__u8 dst[4];
+	__u8 owner[4];
+	__u32 ifindex;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct ct_key_v6 {
+	__u8 src[16];
+	__u8 dst[16];
+	__u8 owner[16];
+	__u32 ifindex;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+enum ct_flags {
+	CT_EGRESS = 1, // created by the egress program (else by the ingress one)
+	CT_NODE = 2,   // allowed because the peer is the node itself
+};
+
+struct ct_value {
+	__u64 last_seen_ns; // bpf_ktime_get_ns (CLOCK_MONOTONIC) of the last packet
+	__u32 generation;   // id_state.generation the flow was last checked against
+	__u8 flags;         // enum ct_flags
+	__u8 pad[3];
+};
+
+// A denied packet, as the sweeper's trace command reads it from the ring buffer.
+struct deny_event {
+	__u64 timestamp_ns;
+	__u32 ifindex;
+	__u8 family; // 4 or 6
+	__u8 proto;
+	__u8 direction;
+	__u8 reason;
+	__u16 sport;
+	__u16 dport;
+	__u8 src[16]; // IPv4 in the first four bytes
+	__u8 dst[16];
+};
+
+// Per-CPU token bucket that rate-limits deny events.
+struct event_budget {
+	__u64 last_ns;
+	__u64 tokens;
+};

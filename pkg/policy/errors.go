@@ -1,0 +1,24 @@
+package policy
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrInvalidDocument is wrapped by every error about the content of a policy
+// file (syntax, schema, values), as opposed to failing to read it.
+var ErrInvalidDocument = errors.New("invalid policy document")
+
+// ErrTooManyPortRanges is returned by Compile when one prefix needs more port
+// ranges than a datapath LPM value holds (MaxPortRanges).
+var ErrTooManyPortRanges = errors.New("too many port ranges for one prefix")
+
+// invalid builds the error for field (a path such as "spec.ingress[2].cidr",
+// empty for the document itself) of the document src ("file#index").
+func invalid(src, field, format string, args ...any) error {
+	msg := fmt.Sprintf(format, args...)
+	if field != "" {
+		msg = field + ": " + msg
+	}
+	return fmt.Errorf("%s: %s: %w", src, msg, ErrInvalidDocument)
+}

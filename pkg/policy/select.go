@@ -1,0 +1,111 @@
+package policy
+
+import (
+	"fmt"
+	"strconv"
+
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+// Mode is what happens to a pod no document selects.
+type Mode string
+
+const (
+	ModeStandard Mode = "standard" // allowed
+	ModeStrict   Mode = "strict"   // denied until a document selects it
+)
+
+// ParseMode parses the plugin's enforcingMode. Empty means the default,
+// standard.
+func ParseMode(s string) (Mode, error) {
+	switch Mode(s) {
+	case "", ModeStandard:
+		return ModeStandard, nil
+	case ModeStrict:
+		return ModeStrict, nil
+	}
+	return "", fmt.Errorf("enforcing mode %q: must be %s or %s", s, ModeStandard, ModeStrict)
+}
+
+// Direction is a direction of traffic as seen from the pod.
+type Direction uint8
+
+const (
+	Ingress Direction = 0
+	Egress  Direction = 1
+)
+
+func (d Direction) String() string {
+	switch d {
+	case Ingress:
+		return "ingress"
+	case Egress:
+		return "egress"
+	}
+	return "direction(" + strconv.Itoa(int(d)) + ")"
+}
+
+// DirectionPolicy is the policy of one direction of one identifier.
+type DirectionPolicy struct {
+	Isolated bool // false: everything is allowed and Rules do not matter
+	Rules    []Rule
+}
+
+// Set is what the datapath enforces for one identifier.
+type Set struct {
+	Mode            Mode
+	Selected        bool // some document selects the identifier
+	Ingress, Egress DirectionPolicy
+}
+
+// Direction returns the policy of d. It panics on a Direction other than
+// Ingress and Egress, which is a programming error.
+func (s *Set) Direction(d Direction) *DirectionPolicy {
+	switch d {
+	case Ingress:
+		return &s.Ingress
+	case Egress:
+		return &s.Egress
+	}
+	panic("policy: invalid " + d.String())
+}
+
+// ForIdentifier computes the Set of id: the documents with a
+// podSelectorEndpoints entry whose pod maps to id are selected (entries whose
+// pod name is not a valid Kubernetes name select nothing; they cannot belong
+// to a running pod). A direction is isolated if any selected document lists
+// it in podIsolation, and its rules are all selected documents' rules of
+// that direction, concatenated. Rules of a document for a direction it does
+// not isolate are kept: they take effect once any selected document isolates
+// that direction. Kubernetes proper would ignore them; keeping them means a
+// written rule is never silently dropped, at the cost of allowing more.
+//
+// With no selecting document, ModeStrict isolates both directions with no
+// rules (deny all); any other mode isolates nothing (allow all). The rules
+// share memory with docs.
+func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
+	s := Set{Mode: mode}
+	for _, d := range docs {
+		if !selects(d, id) {
+			continue
+		}
+		s.Selected = true
+		s.Ingress.Isolated = s.Ingress.Isolated || d.IsolateIngress
+		s.Egress.Isolated = s.Egress.Isolated || d.IsolateEgress
+		s.Ingress.Rules = append(s.Ingress.Rules, d.Ingress...)
+		s.Egress.Rules = append(s.Egress.Rules, d.Egress...)
+	}
+	if !s.Selected && mode == ModeStrict {
+		s.Ingress.Isolated, s.Egress.Isolated = true, true
+	}
+	return s
+}
+
+func selects(d Document, id podid.ID) bool {
+	for _, e := range d.Selects {
+		if got, err := podid.FromPod(e.Name, e.Namespace); err == nil && got == id {
+			return true
+		}
+	}
+	return false
+}
