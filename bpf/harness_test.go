@@ -1,0 +1,168 @@
+package bpf
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/kernel"
+	"github.com/podfence/podfence/test/packet"
+)
+
+// harness is one pin root with the global maps and one identifier, for
+// tests that run the real programs with BPF_PROG_TEST_RUN.
+type harness struct {
+	root string
+	g    *Global
+	id   *Identifier
+}
+
+func newHarness(tb testing.TB) *harness {
+	tb.Helper()
+	root := kernel.PinRoot(tb)
+	g, err := OpenGlobal(root)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { g.Close() })
+	id, err := OpenIdentifier(g, root, "web-7f65cc6544@default")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { id.Close() })
+	return &harness{root: root, g: g, id: id}
+}
+
+func (h *harness) apply(tb testing.TB, set policy.Set) {
+	tb.Helper()
+	if err := h.id.ApplyPolicy(set); err != nil {
+		tb.Fatalf("apply policy: %v", err)
+	}
+}
+
+// flushCT empties both conntrack maps so that cases do not see each other's flows.
+func (h *harness) flushCT(tb testing.TB) {
+	tb.Helper()
+	for _, m := range []*ebpf.Map{h.g.CTv4, h.g.CTv6} {
+		var keys [][]byte
+		k := make([]byte, m.KeySize())
+		v := make([]byte, m.ValueSize())
+		it := m.Iterate()
+		for it.Next(&k, &v) {
+			keys = append(keys, append([]byte(nil), k...))
+		}
+		if err := it.Err(); err != nil {
+			tb.Fatal(err)
+		}
+		for _, k := range keys {
+			_ = m.Delete(k)
+		}
+	}
+}
+
+func (h *harness) prog(d policy.Direction) *ebpf.Program {
+	if d == policy.Egress {
+		return h.id.Egress
+	}
+	return h.id.Ingress
+}
+
+// run feeds one frame to the program of direction d and returns its verdict.
+func (h *harness) run(tb testing.TB, d policy.Direction, frame []byte) uint32 {
+	tb.Helper()
+	ret, err := h.prog(d).Run(&ebpf.RunOptions{Data: frame})
+	if err != nil {
+		tb.Fatalf("run %s program: %v", d, err)
+	}
+	return ret
+}
+
+// runReason runs a frame and tells, from the counters, why it got its verdict.
+func (h *harness) runReason(tb testing.TB, d policy.Direction, frame []byte) (uint32, Reason) {
+	tb.Helper()
+	before, err := h.id.ReadCounters()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	ret := h.run(tb, d, frame)
+	after, err := h.id.ReadCounters()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	reason := NumReasons
+	for r := Reason(0); r < NumReasons; r++ {
+		if n := after[d][r] - before[d][r]; n != 0 {
+			if reason != NumReasons || n != 1 {
+				tb.Fatalf("one packet moved several counters: before %v after %v", before[d], after[d])
+			}
+			reason = r
+		}
+	}
+	if reason == NumReasons {
+		tb.Fatalf("no %s counter moved (verdict %#x)", d, ret)
+	}
+	return ret, reason
+}
+
+// Shorthands for building policies and packets in tables.
+
+func rule(cidr string, ports ...policy.PortRange) policy.Rule {
+	if len(ports) == 0 {
+		ports = []policy.PortRange{{Protocol: policy.ProtocolAny, First: 0, Last: 65535}}
+	}
+	return policy.Rule{CIDR: netip.MustParsePrefix(cidr), Ports: ports}
+}
+
+func except(r policy.Rule, cidrs ...string) policy.Rule {
+	for _, c := range cidrs {
+		r.Except = append(r.Except, netip.MustParsePrefix(c))
+	}
+	return r
+}
+
+func ports(p policy.Protocol, first, last uint16) policy.PortRange {
+	return policy.PortRange{Protocol: p, First: first, Last: last}
+}
+
+func tcpPort(p uint16) policy.PortRange { return ports(policy.ProtocolTCP, p, p) }
+func udpPort(p uint16) policy.PortRange { return ports(policy.ProtocolUDP, p, p) }
+
+// isolate builds a selected policy set; a nil slice leaves that direction
+// not isolated, an empty non-nil one isolates it with no rules.
+func isolate(ingress, egress []policy.Rule) policy.Set {
+	return policy.Set{
+		Mode:     policy.ModeStandard,
+		Selected: true,
+		Ingress:  policy.DirectionPolicy{Isolated: ingress != nil, Rules: ingress},
+		Egress:   policy.DirectionPolicy{Isolated: egress != nil, Rules: egress},
+	}
+}
+
+func rules(r ...policy.Rule) []policy.Rule { return append([]policy.Rule{}, r...) }
+
+func ip(s string) netip.Addr { return netip.MustParseAddr(s) }
+
+func tcp(src, dst string, sport, dport uint16) packet.Packet {
+	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: 6, SrcPort: sport, DstPort: dport}
+}
+
+func udp(src, dst string, sport, dport uint16) packet.Packet {
+	p := tcp(src, dst, sport, dport)
+	p.Proto = 17
+	return p
+}
+
+func withProto(p packet.Packet, proto uint8) packet.Packet {
+	p.Proto = proto
+	return p
+}
+
+func echo(src, dst string, id uint16) packet.Packet {
+	proto := uint8(1)
+	if ip(src).Is6() {
+		proto = 58
+	}
+	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: proto, SrcPort: id}
+}
