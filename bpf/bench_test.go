@@ -1,0 +1,189 @@
+package bpf
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/packet"
+)
+
+// BenchmarkDatapath reports the kernel's own per-packet run time (ns/op)
+// from BPF_PROG_TEST_RUN, the verified instruction count of the program, and
+// the ratio to an empty program ("floor") measured the same way in this run:
+//
+//   - floor, ct-hit, deny: one packet repeated b.N times inside the kernel;
+//   - allow-new-*: every packet is a new flow (distinct tuple) that inserts a
+//     conntrack entry, so each is a run of its own; the kernel's duration of
+//     each run is summed, and compared with floor's single-run duration.
+//
+// hack/bench.sh prints the ratios against the targets of the datapath issue.
+func BenchmarkDatapath(b *testing.B) {
+	h := newHarness(b)
+	floor := floorProgram(b)
+	floorRepeat, floorSingle := measureFloor(b, floor)
+
+	for _, fam := range []string{"v4", "v6"} {
+		b.Run("floor/"+fam, func(b *testing.B) {
+			frame := benchPacket(fam, 0, 1, 80).Marshal()
+			ns := repeatRun(b, floor, frame)
+			report(b, floor, ns, floorRepeat, 0)
+			b.ReportMetric(floorSingle, "single-run-ns")
+		})
+	}
+
+	allow80 := func(fam string, n int) policy.Set {
+		var rs []policy.Rule
+		for i := 0; i < n; i++ {
+			rs = append(rs, rule(benchPrefix(fam, i).String(), tcpPort(80)))
+		}
+		return isolate(rs, nil)
+	}
+
+	for _, fam := range []string{"v4", "v6"} {
+		b.Run("ct-hit/"+fam, func(b *testing.B) {
+			h.flushCT(b)
+			h.apply(b, allow80(fam, 1))
+			frame := benchPacket(fam, 0, 1, 80).Marshal()
+			if ret := h.run(b, policy.Ingress, frame); ret != VerdictAllow {
+				b.Fatalf("first packet not allowed: %#x", ret)
+			}
+			report(b, h.id.Ingress, repeatRun(b, h.id.Ingress, frame), floorRepeat, 2.5)
+		})
+	}
+	for _, fam := range []string{"v4", "v6"} {
+		b.Run("deny/"+fam, func(b *testing.B) {
+			h.flushCT(b)
+			h.apply(b, allow80(fam, 1))
+			frame := benchPacket(fam, 0, 1, 81).Marshal()
+			if ret := h.run(b, policy.Ingress, frame); ret != VerdictDrop {
+				b.Fatalf("packet not denied: %#x", ret)
+			}
+			report(b, h.id.Ingress, repeatRun(b, h.id.Ingress, frame), floorRepeat, 3.5)
+		})
+	}
+	for _, n := range []int{1, 1000} {
+		for _, fam := range []string{"v4", "v6"} {
+			target := 0.0
+			if n == 1000 {
+				target = 7
+			}
+			b.Run(fmt.Sprintf("allow-new-%dcidr/%s", n, fam), func(b *testing.B) {
+				h.flushCT(b)
+				h.apply(b, allow80(fam, n))
+				runs := make([]float64, b.N)
+				for i := 0; i < b.N; i++ {
+					// A distinct tuple per packet: the peer walks the n
+					// prefixes, the source port counts.
+					frame := benchPacket(fam, i%n, uint16(1024+i/n%60000), 80).Marshal()
+					ret, d, err := h.id.Ingress.Benchmark(frame, 1, nil)
+					if err != nil || ret != VerdictAllow {
+						b.Fatalf("packet %d: verdict %#x, err %v", i, ret, err)
+					}
+					runs[i] = float64(d.Nanoseconds())
+				}
+				report(b, h.id.Ingress, mean(runs), floorSingle, target)
+			})
+		}
+	}
+}
+
+// benchPrefix is the i-th /24 (v4) or /120 (v6) the allow-new policies list.
+func benchPrefix(fam string, i int) netip.Prefix {
+	if fam == "v6" {
+		a := netip.MustParseAddr("fd01::").As16()
+		a[12], a[13], a[14] = byte(i>>8), byte(i), 0
+		return netip.PrefixFrom(netip.AddrFrom16(a), 120)
+	}
+	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), 0}), 24)
+}
+
+// benchPacket is a TCP packet to the pod from a host inside benchPrefix(i).
+func benchPacket(fam string, i int, sport, dport uint16) packet.Packet {
+	p := benchPrefix(fam, i).Addr().As16()
+	p[15] = 7
+	if fam == "v6" {
+		return tcp(netip.AddrFrom16(p).String(), pod6, sport, dport)
+	}
+	return tcp(netip.AddrFrom16(p).Unmap().String(), pod4, sport, dport)
+}
+
+// repeatRun runs one frame b.N times in the kernel and returns the kernel's
+// average per-run duration in ns.
+func repeatRun(b *testing.B, p *ebpf.Program, frame []byte) float64 {
+	b.Helper()
+	b.ResetTimer()
+	_, d, err := p.Benchmark(frame, b.N, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return float64(d.Nanoseconds())
+}
+
+func report(b *testing.B, p *ebpf.Program, ns, floor, target float64) {
+	b.Helper()
+	b.ReportMetric(ns, "ns/op")
+	b.ReportMetric(ns/floor, "x-floor")
+	if target > 0 {
+		b.ReportMetric(target, "x-target")
+	}
+	if info, err := p.Info(); err == nil {
+		if n, ok := info.VerifiedInstructions(); ok {
+			b.ReportMetric(float64(n), "insns")
+		}
+	}
+}
+
+// floorProgram is the empty program the issue measures against: it returns
+// TC_ACT_OK and does nothing else.
+func floorProgram(b *testing.B) *ebpf.Program {
+	b.Helper()
+	p, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name:         "floor",
+		Type:         ebpf.SchedCLS,
+		License:      "Dual BSD/GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()},
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { p.Close() })
+	return p
+}
+
+// measureFloor returns the empty program's per-run kernel time repeated in
+// the kernel, and the median of its single-run durations.
+func measureFloor(b *testing.B, p *ebpf.Program) (repeat, single float64) {
+	b.Helper()
+	frame := benchPacket("v4", 0, 1, 80).Marshal()
+	_, d, err := p.Benchmark(frame, 2_000_000, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	runs := make([]float64, 20000)
+	for i := range runs {
+		_, d, err := p.Benchmark(frame, 1, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		runs[i] = float64(d.Nanoseconds())
+	}
+	return float64(d.Nanoseconds()), mean(runs)
+}
+
+// mean of the runs without the slowest 1% (interrupts, preemption), the
+// same statistic for floor and for the cases compared with it.
+func mean(runs []float64) float64 {
+	sort.Float64s(runs)
+	runs = runs[:max(1, len(runs)*99/100)]
+	sum := 0.0
+	for _, r := range runs {
+		sum += r
+	}
+	return sum / float64(len(runs))
+}

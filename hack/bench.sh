@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the datapath benchmark (root) and prints each case's kernel time as a
+# ratio to the empty program measured in the same run, beside its target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+benchtime=${BENCHTIME:-200000x}
+out=$(go test -run '^$' -bench 'BenchmarkDatapath' -benchtime "$benchtime" ./bpf/)
+echo "$out" | grep -E '^(goos|goarch|cpu|Benchmark)'
+echo
+echo "case                          kernel ns   x floor   target   verified insns"
+echo "$out" | awk '/^BenchmarkDatapath/ {
+	name=$1; sub(/^BenchmarkDatapath\//, "", name); sub(/-[0-9]+$/, "", name)
+	ns=""; x=""; t="-"; ins=""
+	for (i = 3; i < NF; i += 2) {
+		if ($(i+1) == "ns/op") ns=$i
+		if ($(i+1) == "x-floor") x=$i
+		if ($(i+1) == "x-target") t="<= " $i
+		if ($(i+1) == "insns") ins=$i
+	}
+	printf "%-28s %10s %9s %8s %12s\n", name, ns, x, t, ins
+}'
