@@ -7,9 +7,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
 
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -59,10 +62,18 @@ var (
 	spec     *ebpf.CollectionSpec
 )
 
-// collectionSpec parses the embedded object once per process; callers get a copy.
+// collectionSpec parses the embedded object once per process and sets its
+// load-time constants for this kernel; callers get a copy.
 func collectionSpec() (*ebpf.CollectionSpec, error) {
 	specOnce.Do(func() {
 		spec, specErr = loadPodfence()
+		if specErr != nil {
+			return
+		}
+		// bpf_ktime_get_coarse_ns needs Linux >= 5.11; see podfence.c.
+		if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
+			specErr = spec.Variables["coarse_clock"].Set(uint32(1))
+		}
 	})
 	if specErr != nil {
 		return nil, fmt.Errorf("load embedded datapath object: %w", specErr)
@@ -284,11 +295,23 @@ func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error 
 		return nil // kernel does not report map IDs; name and type must do
 	}
 	for _, id := range ids {
-		if !want[id] {
+		if !want[id] && !isConstants(id) {
 			return fmt.Errorf("program uses map id %d, which is not one of this identifier's or the node's maps", id)
 		}
 	}
 	return nil
+}
+
+// isConstants tells the program's own read-only constants (.rodata), which
+// every load creates afresh, from maps it should share.
+func isConstants(id ebpf.MapID) bool {
+	m, err := ebpf.NewMapFromID(id)
+	if err != nil {
+		return false
+	}
+	defer m.Close()
+	info, err := m.Info()
+	return err == nil && strings.HasSuffix(info.Name, ".rodata")
 }
 
 func (i *Identifier) loadPrograms(cs *ebpf.CollectionSpec, g *Global) error {

@@ -95,6 +95,19 @@ POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
 POLICY_TRIE(pol_eg_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_eg_v6, struct lpm_key_v6);
 
+// coarse_clock is set by the loader where bpf_ktime_get_coarse_ns exists
+// (Linux >= 5.11). Reading the precise clock costs about as much as the rest
+// of a conntrack hit, and last_seen needs no better than tick resolution;
+// 5.10 falls back to the precise clock. Both are CLOCK_MONOTONIC.
+volatile const __u32 coarse_clock = 0;
+
+static __always_inline __u64 now_ns(void)
+{
+	if (coarse_clock)
+		return bpf_ktime_get_coarse_ns();
+	return bpf_ktime_get_ns();
+}
+
 static __always_inline void count(int dir, int reason)
 {
 	__u32 idx = dir * REASON_MAX + reason;
@@ -199,7 +212,7 @@ static __always_inline int event_allowed(__u64 now)
 static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason)
 {
 	count(dir, reason);
-	__u64 now = bpf_ktime_get_ns();
+	__u64 now = now_ns();
 	if (!event_allowed(now))
 		return VERDICT_DROP;
 	struct deny_event *e = bpf_ringbuf_reserve(&deny_events, sizeof(*e), 0);
@@ -231,35 +244,39 @@ static __always_inline void *ct_map(const int family)
 }
 
 // CT_FILL fills one family's key; the two key types differ only in address size.
-#define CT_FILL(k, f, owner, reverse, ifidx, alen)                                                 \
+#define CT_FILL(k, pod, pod_port, peer, peer_port, proto_, ifidx, alen)                           \
 	do {                                                                                       \
-		__builtin_memcpy((k).owner, owner, alen);                                          \
-		__builtin_memcpy((k).src, (reverse) ? (f)->dst.v6 : (f)->src.v6, alen);            \
-		__builtin_memcpy((k).dst, (reverse) ? (f)->src.v6 : (f)->dst.v6, alen);            \
-		(k).sport = (reverse) ? (f)->dport : (f)->sport;                                   \
-		(k).dport = (reverse) ? (f)->sport : (f)->dport;                                   \
-		(k).proto = (f)->proto;                                                            \
+		__builtin_memcpy((k).src, pod, alen);                                              \
+		__builtin_memcpy((k).dst, peer, alen);                                             \
+		__builtin_memcpy((k).owner, pod, alen);                                            \
+		(k).sport = (pod_port);                                                            \
+		(k).dport = (peer_port);                                                           \
+		(k).proto = (proto_);                                                              \
 		(k).ifindex = (ifidx);                                                             \
 	} while (0)
 
-// ct_key_fill builds the key of f as seen by the pod on this direction's
-// program: the owner is the pod's end of the packet (source for egress,
-// destination for ingress); reverse gives the key a reply's flow was stored under.
+// ct_key_fill builds the conntrack key of f. Keys are written from the pod's
+// side (src and owner are the pod, dst the peer), so a flow and its replies
+// share one key and one lookup finds either; ct_value.flags records which
+// side opened the flow.
 static __always_inline void ct_key_fill(union ct_key *k, const int family, const int dir,
-					struct flow *f, int reverse, __u32 ifindex)
+					struct flow *f, __u32 ifindex)
 {
-	const __u8 *owner = dir == DIR_EGRESS ? f->src.v6 : f->dst.v6;
+	const __u8 *pod = dir == DIR_EGRESS ? f->src.v6 : f->dst.v6;
+	const __u8 *peer = dir == DIR_EGRESS ? f->dst.v6 : f->src.v6;
+	__u16 pod_port = dir == DIR_EGRESS ? f->sport : f->dport;
+	__u16 peer_port = dir == DIR_EGRESS ? f->dport : f->sport;
 	if (family == 4)
-		CT_FILL(k->v4, f, owner, reverse, ifindex, 4);
+		CT_FILL(k->v4, pod, pod_port, peer, peer_port, f->proto, ifindex, 4);
 	else
-		CT_FILL(k->v6, f, owner, reverse, ifindex, 16);
+		CT_FILL(k->v6, pod, pod_port, peer, peer_port, f->proto, ifindex, 16);
 }
 
 static __always_inline int allow_tracked(const int dir, struct ct_value *v, struct id_state *st,
 					 int reason)
 {
 	v->generation = st->generation;
-	v->last_seen_ns = bpf_ktime_get_ns();
+	v->last_seen_ns = now_ns();
 	count(dir, reason);
 	return VERDICT_ALLOW;
 }
@@ -269,7 +286,7 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 {
 	if (dir == DIR_EGRESS)
 		nv->flags |= CT_EGRESS;
-	nv->last_seen_ns = bpf_ktime_get_ns();
+	nv->last_seen_ns = now_ns();
 	bpf_map_update_elem(ct_map(family), key, nv, BPF_ANY);
 	count(dir, reason);
 	return VERDICT_ALLOW;
@@ -284,29 +301,19 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 					  struct flow *f, struct id_state *st)
 {
 	union ct_key key = {};
-	__u32 ifindex = skb->ifindex;
-	int reverse = 0;
-
-	ct_key_fill(&key, family, dir, f, 0, ifindex);
+	ct_key_fill(&key, family, dir, f, skb->ifindex);
 	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
-	if (!v) {
-		reverse = 1;
-		ct_key_fill(&key, family, dir, f, 1, ifindex);
-		v = bpf_map_lookup_elem(ct_map(family), &key);
-	}
 
-	// A tracked flow is judged in the direction that created it; a new
-	// flow in this program's direction. reverse means f is the reply.
+	// A tracked flow is judged in the direction that opened it, a new flow
+	// in this program's direction; either way the remote end is the peer.
 	int eval_dir = dir;
 	struct ct_value nv = {.generation = st->generation};
 	if (v) {
-		int reason = reverse ? REASON_CT_REPLY : REASON_CT_ESTABLISHED;
+		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
+		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
 		if (v->generation == st->generation || (v->flags & CT_NODE))
 			return allow_tracked(dir, v, st, reason);
-		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 	} else {
-		reverse = 0;
-		ct_key_fill(&key, family, dir, f, 0, ifindex);
 		if (!(st->isolated & (1 << dir)))
 			return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
 		if (dir == DIR_INGRESS && is_node_addr(family, f->src.v6)) {
@@ -315,19 +322,17 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		}
 	}
 
-	// The remote end of the original direction: its source for ingress,
-	// its destination for egress. Ports are judged on its destination port.
-	const __u8 *remote;
-	if (eval_dir == DIR_INGRESS)
-		remote = reverse ? f->dst.v6 : f->src.v6;
-	else
-		remote = reverse ? f->src.v6 : f->dst.v6;
-	__u16 dport = reverse ? f->sport : f->dport;
-	int allowed = policy_allows(eval_dir, family, st, remote, f->proto, dport);
+	// Ports are judged on the opening packet's destination: the peer's
+	// port for a flow the pod opened, the pod's port otherwise.
+	const __u8 *peer = dir == DIR_INGRESS ? f->src.v6 : f->dst.v6;
+	__u16 pod_port = dir == DIR_EGRESS ? f->sport : f->dport;
+	__u16 peer_port = dir == DIR_EGRESS ? f->dport : f->sport;
+	__u16 dport = eval_dir == DIR_EGRESS ? peer_port : pod_port;
+	int allowed = policy_allows(eval_dir, family, st, peer, f->proto, dport);
 
 	if (v) {
 		if (allowed)
-			return allow_tracked(dir, v, st, reverse ? REASON_CT_REPLY : REASON_CT_ESTABLISHED);
+			return allow_tracked(dir, v, st, eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY);
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED);
 	}

@@ -102,6 +102,7 @@ const (
 	podfenceMapState       = "state"
 	podfenceProgPodEgress  = "pod_egress"
 	podfenceProgPodIngress = "pod_ingress"
+	podfenceVarCoarseClock = "coarse_clock"
 )
 
 // loadPodfence returns the embedded CollectionSpec for podfence.
@@ -171,6 +172,7 @@ type podfenceMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type podfenceVariableSpecs struct {
+	CoarseClock *ebpf.VariableSpec `ebpf:"coarse_clock"`
 }
 
 // podfenceObjects contains all objects after they have been loaded into the kernel.
@@ -226,6 +228,7 @@ func (m *podfenceMaps) Close() error {
 //
 // It can be passed to loadPodfenceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type podfenceVariables struct {
+	CoarseClock *ebpf.Variable `ebpf:"coarse_clock"`
 }
 
 // podfencePrograms contains all programs after they have been loaded into the kernel.

@@ -64,10 +64,11 @@ struct lpm_key_v6 {
 	__u8 addr[16];
 };
 
-// Conntrack keys. Addresses are in network order, ports in host order. The
-// owner is the enforcing pod's address (source for egress, destination for
-// ingress); ifindex is its host veth. ICMP echo uses the identifier as both
-// ports, so a reply's reversed key finds its request.
+// Conntrack keys, written from the pod's side so that a flow and its replies
+// share one key: src is the pod (and so is owner, the enforcing pod), dst the
+// peer, sport/dport their ports. Addresses in network order, ports in host
+// order; ifindex is the pod's host veth. ICMP echo uses the identifier as
+// both ports. flags in the value say which side opened the flow.
 struct ct_key_v4 {
 	__u8 src[4];
 	__u8 dst[4];
@@ -91,7 +92,7 @@ struct ct_key_v6 {
 };
 
 enum ct_flags {
-	CT_EGRESS = 1, // created by the egress program (else by the ingress one)
+	CT_EGRESS = 1, // the pod opened the flow (else the peer did)
 	CT_NODE = 2,   // allowed because the peer is the node itself
 };
 
