@@ -22,8 +22,10 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 #define VERDICT_ALLOW TC_ACT_UNSPEC
 #define VERDICT_DROP TC_ACT_SHOT
 
-// Deny events: one per EVENT_INTERVAL_NS per CPU on average, bursts of EVENT_BURST.
-#define EVENT_INTERVAL_NS 1000000ULL
+// Deny events: one per 2^EVENT_INTERVAL_SHIFT ns (about 1 ms) per CPU on
+// average, in bursts of at most EVENT_BURST. A shift, not a division: a
+// division costs more than the rest of the rate limiter.
+#define EVENT_INTERVAL_SHIFT 20
 #define EVENT_BURST 64
 
 // ---- Global maps, pinned once per node and shared by every identifier ----
@@ -198,7 +200,7 @@ static __always_inline int event_allowed(__u64 now)
 	struct event_budget *b = bpf_map_lookup_elem(&event_budget, &zero);
 	if (!b)
 		return 0;
-	__u64 refill = (now - b->last_ns) / EVENT_INTERVAL_NS;
+	__u64 refill = (now - b->last_ns) >> EVENT_INTERVAL_SHIFT;
 	if (refill) {
 		b->tokens = b->tokens + refill > EVENT_BURST ? EVENT_BURST : b->tokens + refill;
 		b->last_ns = now;
@@ -248,7 +250,6 @@ static __always_inline void *ct_map(const int family)
 	do {                                                                                       \
 		__builtin_memcpy((k).src, pod, alen);                                              \
 		__builtin_memcpy((k).dst, peer, alen);                                             \
-		__builtin_memcpy((k).owner, pod, alen);                                            \
 		(k).sport = (pod_port);                                                            \
 		(k).dport = (peer_port);                                                           \
 		(k).proto = (proto_);                                                              \
@@ -256,9 +257,9 @@ static __always_inline void *ct_map(const int family)
 	} while (0)
 
 // ct_key_fill builds the conntrack key of f. Keys are written from the pod's
-// side (src and owner are the pod, dst the peer), so a flow and its replies
-// share one key and one lookup finds either; ct_value.flags records which
-// side opened the flow.
+// side (src is the pod, the owner of the entry; dst the peer), so a flow and
+// its replies share one key and one lookup finds either; ct_value.flags
+// records which side opened the flow.
 static __always_inline void ct_key_fill(union ct_key *k, const int family, const int dir,
 					struct flow *f, __u32 ifindex)
 {
@@ -313,13 +314,8 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
 		if (v->generation == st->generation || (v->flags & CT_NODE))
 			return allow_tracked(dir, v, st, reason);
-	} else {
-		if (!(st->isolated & (1 << dir)))
-			return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
-		if (dir == DIR_INGRESS && is_node_addr(family, f->src.v6)) {
-			nv.flags = CT_NODE;
-			return allow_new(dir, family, &key, &nv, REASON_NODE);
-		}
+	} else if (!(st->isolated & (1 << dir))) {
+		return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
 	}
 
 	// Ports are judged on the opening packet's destination: the peer's
@@ -336,9 +332,15 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED);
 	}
-	if (!allowed)
-		return deny(skb, dir, f, REASON_POLICY_DENY);
-	return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
+	if (allowed)
+		return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
+	// The node (kubelet probes) is checked only for what policy denies:
+	// flows the policy allows need not pay for the lookup.
+	if (dir == DIR_INGRESS && is_node_addr(family, peer)) {
+		nv.flags = CT_NODE;
+		return allow_new(dir, family, &key, &nv, REASON_NODE);
+	}
+	return deny(skb, dir, f, REASON_POLICY_DENY);
 }
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)

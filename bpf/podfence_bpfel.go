@@ -17,7 +17,6 @@ type podfenceCtKeyV4 struct {
 	_       structs.HostLayout
 	Src     [4]uint8
 	Dst     [4]uint8
-	Owner   [4]uint8
 	Ifindex uint32
 	Sport   uint16
 	Dport   uint16
@@ -29,7 +28,6 @@ type podfenceCtKeyV6 struct {
 	_       structs.HostLayout
 	Src     [16]uint8
 	Dst     [16]uint8
-	Owner   [16]uint8
 	Ifindex uint32
 	Sport   uint16
 	Dport   uint16

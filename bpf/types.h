@@ -65,14 +65,14 @@ struct lpm_key_v6 {
 };
 
 // Conntrack keys, written from the pod's side so that a flow and its replies
-// share one key: src is the pod (and so is owner, the enforcing pod), dst the
-// peer, sport/dport their ports. Addresses in network order, ports in host
+// share one key: src is the pod, which is also the entry's owner (the pod
+// that enforces it; no separate field needed), dst the peer, sport/dport
+// their ports. Addresses in network order, ports in host
 // order; ifindex is the pod's host veth. ICMP echo uses the identifier as
 // both ports. flags in the value say which side opened the flow.
 struct ct_key_v4 {
 	__u8 src[4];
 	__u8 dst[4];
-	__u8 owner[4];
 	__u32 ifindex;
 	__u16 sport;
 	__u16 dport;
@@ -83,7 +83,6 @@ struct ct_key_v4 {
 struct ct_key_v6 {
 	__u8 src[16];
 	__u8 dst[16];
-	__u8 owner[16];
 	__u32 ifindex;
 	__u16 sport;
 	__u16 dport;
