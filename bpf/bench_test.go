@@ -49,11 +49,13 @@ func BenchmarkDatapath(b *testing.B) {
 		b.Run("ct-hit/"+fam, func(b *testing.B) {
 			h.flushCT(b)
 			h.apply(b, allow80(fam, 1))
-			frame := benchPacket(fam, 0, 1, 80).Marshal()
-			if ret := h.run(b, policy.Ingress, frame); ret != VerdictAllow {
+			syn := benchPacket(fam, 0, 1, 80)
+			if ret := h.run(b, policy.Ingress, syn.Marshal()); ret != VerdictAllow {
 				b.Fatalf("first packet not allowed: %#x", ret)
 			}
-			report(b, h.id.Ingress, repeatRun(b, h.id.Ingress, frame), floorRepeat, 2.5)
+			ack := syn
+			ack.TCPFlags = 0x10
+			report(b, h.id.Ingress, repeatRun(b, h.id.Ingress, ack.Marshal()), floorRepeat, 2.5)
 		})
 	}
 	for _, fam := range []string{"v4", "v6"} {
@@ -103,14 +105,14 @@ func benchPrefix(fam string, i int) netip.Prefix {
 	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 8), byte(i), 0}), 24)
 }
 
-// benchPacket is a TCP packet to the pod from a host inside benchPrefix(i).
+// benchPacket is a TCP SYN to the pod from a host inside benchPrefix(i).
 func benchPacket(fam string, i int, sport, dport uint16) packet.Packet {
 	p := benchPrefix(fam, i).Addr().As16()
 	p[15] = 7
 	if fam == "v6" {
-		return tcp(netip.AddrFrom16(p).String(), pod6, sport, dport)
+		return syn(tcp(netip.AddrFrom16(p).String(), pod6, sport, dport))
 	}
-	return tcp(netip.AddrFrom16(p).Unmap().String(), pod4, sport, dport)
+	return syn(tcp(netip.AddrFrom16(p).Unmap().String(), pod4, sport, dport))
 }
 
 // repeatRun runs one frame b.N times in the kernel and returns the kernel's

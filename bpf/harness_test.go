@@ -144,13 +144,21 @@ func rules(r ...policy.Rule) []policy.Rule { return append([]policy.Rule{}, r...
 
 func ip(s string) netip.Addr { return netip.MustParseAddr(s) }
 
+// tcp is a TCP segment of an established connection (ACK): the programs
+// look it up in conntrack. syn makes it the opening segment, which they judge
+// by policy without a lookup.
 func tcp(src, dst string, sport, dport uint16) packet.Packet {
-	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: 6, SrcPort: sport, DstPort: dport}
+	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: 6, SrcPort: sport, DstPort: dport, TCPFlags: 0x10}
+}
+
+func syn(p packet.Packet) packet.Packet {
+	p.TCPFlags = 0x02
+	return p
 }
 
 func udp(src, dst string, sport, dport uint16) packet.Packet {
 	p := tcp(src, dst, sport, dport)
-	p.Proto = 17
+	p.Proto, p.TCPFlags = 17, 0
 	return p
 }
 

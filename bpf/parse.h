@@ -35,12 +35,26 @@ struct flow {
 	__u16 dport;
 	__u8 family; // 4 or 6
 	__u8 proto;
+	__u8 opens;  // a TCP SYN without ACK: the first packet of a connection
 };
 
 struct l4_ports {
 	__be16 sport;
 	__be16 dport;
 };
+
+// The TCP header up to its flags.
+struct tcp_head {
+	__be16 sport;
+	__be16 dport;
+	__be32 seq;
+	__be32 ack_seq;
+	__u8 doff;
+	__u8 flags;
+};
+
+#define TCP_SYN 0x02
+#define TCP_ACK 0x10
 
 struct icmp_echo {
 	__u8 type;
@@ -64,7 +78,15 @@ static __always_inline int parse_l4(void *l4, void *end, struct flow *f, int fir
 		return PARSE_OK;
 
 	switch (f->proto) {
-	case IPPROTO_TCP:
+	case IPPROTO_TCP: {
+		struct tcp_head *t = l4;
+		if ((void *)(t + 1) > end)
+			return PARSE_MALFORMED;
+		f->sport = bpf_ntohs(t->sport);
+		f->dport = bpf_ntohs(t->dport);
+		f->opens = (t->flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+		return PARSE_OK;
+	}
 	case IPPROTO_UDP:
 	case IPPROTO_SCTP: {
 		struct l4_ports *p = l4;

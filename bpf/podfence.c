@@ -303,7 +303,13 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 {
 	union ct_key key = {};
 	ct_key_fill(&key, family, dir, f, skb->ifindex);
-	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
+	// A TCP SYN opens a connection, so there is nothing to look up: it is
+	// judged as new (an allowed one overwrites a stale entry of the same
+	// tuple). Simultaneous open, where both ends send a SYN, is judged as
+	// two new flows.
+	struct ct_value *v = NULL;
+	if (!f->opens)
+		v = bpf_map_lookup_elem(ct_map(family), &key);
 
 	// A tracked flow is judged in the direction that opened it, a new flow
 	// in this program's direction; either way the remote end is the peer.

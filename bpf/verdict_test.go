@@ -111,6 +111,8 @@ func verdictCases() []verdictCase {
 		{"v4 wrong version", allowAllIn, []step{raw(in, patch(tcpIn.Marshal(), 14, 0x65), ReasonMalformed)}},
 		{"v4 options cut", allowAllIn, []step{raw(in, packet.Truncate(withOpts(tcpIn, 8).Marshal(), 14+24), ReasonMalformed)}},
 		{"v4 ports cut", allowAllIn, []step{raw(in, packet.Truncate(tcpIn.Marshal(), tcpIn.L4Offset()+3), ReasonMalformed)}},
+		{"v4 tcp header cut before its flags", allowAllIn, []step{raw(in, packet.Truncate(tcpIn.Marshal(), tcpIn.L4Offset()+13), ReasonMalformed)}},
+		{"v4 udp needs only its ports", allowAllIn, []step{raw(in, packet.Truncate(udp(peer4, pod4, 1, 53).Marshal(), tcpIn.L4Offset()+4), ReasonPolicyAllow)}},
 		{"v4 icmp header cut", allowAllIn, []step{raw(in, packet.Truncate(echo(peer4, pod4, 7).Marshal(), 14+20+7), ReasonMalformed)}},
 		{"v4 ihl beyond frame", allowAllIn, []step{raw(in, packet.Truncate(withOpts(tcpIn, 40).Marshal(), 14+40), ReasonMalformed)}},
 		{"v6 wrong version", allowAllIn, []step{raw(in, patch(tcpIn6.Marshal(), 14, 0x40), ReasonMalformed)}},
@@ -177,6 +179,12 @@ func verdictCases() []verdictCase {
 
 		// Conntrack.
 		{"second packet hits conntrack", web80, []step{send(in, tcpIn, ReasonPolicyAllow), send(in, tcpIn, ReasonCTEstablished)}},
+		{"syn opens, ack and syn-ack follow", isolate(rules(rule("10.1.0.0/16", tcpPort(80))), rules()), []step{
+			send(in, syn(tcpIn), ReasonPolicyAllow), send(out, syn(tcpIn).Reply(), ReasonCTReply), send(in, tcpIn, ReasonCTEstablished)}},
+		{"syn is judged by policy even when tracked", web80, []step{
+			send(in, tcpIn, ReasonPolicyAllow), change(denyAllIn), send(in, syn(tcpIn), ReasonPolicyDeny)}},
+		{"portless protocol is one flow both ways", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, withProto(tcp(pod4, peer4, 0, 0), 47), ReasonPolicyAllow), send(in, withProto(tcp(peer4, pod4, 0, 0), 47), ReasonCTReply)}},
 		{"reply passes isolated egress", isolate(rules(rule("10.1.0.0/16", tcpPort(80))), rules()), []step{
 			send(in, tcpIn, ReasonPolicyAllow), send(out, tcpIn.Reply(), ReasonCTReply), send(out, tcp(pod4, peer4, 80, 40001), ReasonPolicyDeny)}},
 		{"egress flow reply passes isolated ingress", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{

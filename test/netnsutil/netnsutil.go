@@ -1,0 +1,241 @@
+// Package netnsutil builds throwaway network namespaces for kernel tests: a
+// "node" namespace and a "pod" namespace joined by a veth, the way a routed
+// CNI wires a pod, plus TCP listeners and dials between them. Everything is
+// removed when the test ends, also when it fails. The root network namespace
+// is never changed. Needs root.
+package netnsutil
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// New returns a fresh network namespace with lo up. It is closed and its
+// bind mount removed when the test ends; the kernel deletes its interfaces
+// once nothing (socket, listener) refers to it any more.
+func New(tb testing.TB) ns.NetNS {
+	tb.Helper()
+	n, err := testutils.NewNS()
+	if err != nil {
+		tb.Fatalf("create network namespace: %v", err)
+	}
+	tb.Cleanup(func() {
+		n.Close()
+		if err := testutils.UnmountNS(n); err != nil {
+			tb.Errorf("remove network namespace %s: %v", n.Path(), err)
+		}
+	})
+	Do(tb, n, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			lo, err := h.LinkByName("lo")
+			if err != nil {
+				return err
+			}
+			return h.LinkSetUp(lo)
+		})
+	})
+	return n
+}
+
+// Do runs fn inside n on a locked OS thread and fails the test when fn
+// returns an error.
+func Do(tb testing.TB, n ns.NetNS, fn func() error) {
+	tb.Helper()
+	if err := n.Do(func(ns.NetNS) error { return fn() }); err != nil {
+		tb.Fatalf("in %s: %v", n.Path(), err)
+	}
+}
+
+// withHandle runs fn with an rtnetlink handle of the calling thread's
+// namespace (NETLINK_ROUTE only: a minimal guest kernel lacks XFRM).
+func withHandle(fn func(h *netlink.Handle) error) error {
+	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	return fn(h)
+}
+
+// Addresses of a Pair.
+var (
+	NodeV4 = netip.MustParsePrefix("10.200.0.1/24")
+	PodV4  = netip.MustParsePrefix("10.200.0.2/24")
+	NodeV6 = netip.MustParsePrefix("fd20::1/64")
+	PodV6  = netip.MustParsePrefix("fd20::2/64")
+)
+
+// Pair is a node namespace and a pod namespace joined by a veth whose host
+// end (HostVeth, index HostIndex) is in Node and whose other end, eth0, is in
+// Pod. Both ends carry an address of NodeV4/NodeV6 and PodV4/PodV6.
+//
+// IPv6 neighbours are static on both ends, so that no neighbour discovery
+// has to pass the policy a test puts on the veth; ARP is not IP and passes
+// podfence's programs anyway.
+type Pair struct {
+	Node, Pod ns.NetNS
+	HostVeth  string
+	HostIndex int
+}
+
+// NewPair creates the namespaces and the veth.
+func NewPair(tb testing.TB) *Pair {
+	tb.Helper()
+	p := &Pair{Node: New(tb), Pod: New(tb), HostVeth: "veth0"}
+	var hostMAC, podMAC net.HardwareAddr
+	Do(tb, p.Node, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			veth := &netlink.Veth{
+				LinkAttrs:     netlink.LinkAttrs{Name: p.HostVeth},
+				PeerName:      "eth0",
+				PeerNamespace: netlink.NsFd(int(p.Pod.Fd())),
+			}
+			if err := h.LinkAdd(veth); err != nil {
+				return fmt.Errorf("add veth: %w", err)
+			}
+			l, err := setUp(h, p.HostVeth, NodeV4, NodeV6)
+			if err != nil {
+				return err
+			}
+			p.HostIndex, hostMAC = l.Attrs().Index, l.Attrs().HardwareAddr
+			return nil
+		})
+	})
+	Do(tb, p.Pod, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			l, err := setUp(h, "eth0", PodV4, PodV6)
+			if err != nil {
+				return err
+			}
+			podMAC = l.Attrs().HardwareAddr
+			return addNeighbour(h, l.Attrs().Index, NodeV6.Addr(), hostMAC)
+		})
+	})
+	Do(tb, p.Node, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			return addNeighbour(h, p.HostIndex, PodV6.Addr(), podMAC)
+		})
+	})
+	return p
+}
+
+// setUp gives the interface its addresses (without duplicate address
+// detection, so they are usable at once) and brings it up.
+func setUp(h *netlink.Handle, name string, addrs ...netip.Prefix) (netlink.Link, error) {
+	l, err := h.LinkByName(name)
+	if err != nil {
+		return nil, fmt.Errorf("find %s: %w", name, err)
+	}
+	for _, a := range addrs {
+		addr := &netlink.Addr{
+			IPNet: &net.IPNet{IP: a.Addr().AsSlice(), Mask: net.CIDRMask(a.Bits(), a.Addr().BitLen())},
+		}
+		if a.Addr().Is6() {
+			addr.Flags = unix.IFA_F_NODAD
+		}
+		if err := h.AddrAdd(l, addr); err != nil {
+			return nil, fmt.Errorf("add %s to %s: %w", a, name, err)
+		}
+	}
+	if err := h.LinkSetUp(l); err != nil {
+		return nil, fmt.Errorf("set %s up: %w", name, err)
+	}
+	return h.LinkByName(name) // again, for the attributes of an up link
+}
+
+func addNeighbour(h *netlink.Handle, ifindex int, ip netip.Addr, mac net.HardwareAddr) error {
+	err := h.NeighSet(&netlink.Neigh{
+		LinkIndex:    ifindex,
+		Family:       unix.AF_INET6,
+		State:        netlink.NUD_PERMANENT,
+		IP:           ip.AsSlice(),
+		HardwareAddr: mac,
+	})
+	if err != nil {
+		return fmt.Errorf("add neighbour %s: %w", ip, err)
+	}
+	return nil
+}
+
+// DeleteHostVeth deletes the veth (both ends) from the node namespace.
+func (p *Pair) DeleteHostVeth(tb testing.TB) {
+	tb.Helper()
+	Do(tb, p.Node, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			l, err := h.LinkByIndex(p.HostIndex)
+			if err != nil {
+				return err
+			}
+			return h.LinkDel(l)
+		})
+	})
+}
+
+// Listen accepts TCP connections on port (all addresses, IPv4 and IPv6) in
+// n and closes each at once. The listener is closed when the test ends.
+func Listen(tb testing.TB, n ns.NetNS, port uint16) {
+	tb.Helper()
+	var ln net.Listener
+	Do(tb, n, func() error {
+		var err error
+		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
+		return err
+	})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	tb.Cleanup(func() {
+		ln.Close()
+		wg.Wait()
+	})
+}
+
+// Dial opens a TCP connection from n to dst and closes it again.
+func Dial(n ns.NetNS, dst netip.AddrPort, timeout time.Duration) error {
+	return n.Do(func(ns.NetNS) error {
+		c, err := net.DialTimeout("tcp", dst.String(), timeout)
+		if err != nil {
+			return err
+		}
+		return c.Close()
+	})
+}
+
+// Connects reports whether a TCP connection from n to dst succeeds within
+// attempts tries of timeout each. It fails the test on an error that is
+// neither success nor a timeout (a refused connection means the SYN got
+// through, so it is not what a dropping filter causes).
+func Connects(tb testing.TB, n ns.NetNS, dst netip.AddrPort, timeout time.Duration, attempts int) bool {
+	tb.Helper()
+	for i := 0; i < attempts; i++ {
+		err := Dial(n, dst, timeout)
+		if err == nil {
+			return true
+		}
+		var ne net.Error
+		if !errors.As(err, &ne) || !ne.Timeout() {
+			tb.Fatalf("dial %s: %v", dst, err)
+		}
+	}
+	return false
+}
