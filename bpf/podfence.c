@@ -32,7 +32,6 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
 	__uint(max_entries, 131072);
 	__type(key, struct ct_key_v4);
 	__type(value, struct ct_value);
@@ -40,7 +39,6 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(map_flags, BPF_F_NO_COMMON_LRU);
 	__uint(max_entries, 65536);
 	__type(key, struct ct_key_v6);
 	__type(value, struct ct_value);
