@@ -1,0 +1,258 @@
+package bpf
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/kernel"
+)
+
+func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
+	t.Helper()
+	info, err := p.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+func mapID(t *testing.T, m *ebpf.Map) ebpf.MapID {
+	t.Helper()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return id
+}
+
+func TestOpenIdentifierReusesPins(t *testing.T) {
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+
+	first, err := OpenIdentifier(g, root, "web-7f65cc6544@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	if err := first.ApplyPolicy(isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil)); err != nil {
+		t.Fatal(err)
+	}
+	gen, _ := first.Generation()
+
+	// A second replica (another process in production) gets the same
+	// kernel objects, and the policy and generation the first one wrote.
+	second, err := OpenIdentifier(g, root, "web-7f65cc6544@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if progID(t, first.Ingress) != progID(t, second.Ingress) || progID(t, first.Egress) != progID(t, second.Egress) {
+		t.Error("second open loaded new programs instead of reusing the pinned ones")
+	}
+	if mapID(t, first.Policy[0][0]) != mapID(t, second.Policy[0][0]) || mapID(t, first.State) != mapID(t, second.State) {
+		t.Error("second open created new maps instead of reusing the pinned ones")
+	}
+	if g2, _ := second.Generation(); g2 != gen {
+		t.Errorf("generation %d after reopening, want %d", g2, gen)
+	}
+
+	// Global maps are shared by all identifiers.
+	other, err := OpenIdentifier(g, root, "db-0@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if progID(t, other.Ingress) == progID(t, first.Ingress) {
+		t.Error("two identifiers share a program")
+	}
+	g2, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g2.Close()
+	if mapID(t, g2.CTv4) != mapID(t, g.CTv4) {
+		t.Error("reopening the global maps created a new conntrack map")
+	}
+}
+
+func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	id := podid.ID("web@default")
+	first, err := OpenIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	// A plugin killed between pinning its two programs leaves one.
+	if err := os.Remove(filepath.Join(IdentifierDir(root, id), ProgEgressPin)); err != nil {
+		t.Fatal(err)
+	}
+	again, err := OpenIdentifier(g, root, id)
+	if err != nil {
+		t.Fatalf("open after a half-finished load: %v", err)
+	}
+	defer again.Close()
+	for _, pin := range []string{ProgIngressPin, ProgEgressPin} {
+		if _, err := os.Stat(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+			t.Errorf("pin %s missing after repair: %v", pin, err)
+		}
+	}
+}
+
+func TestIncompatiblePinsAreRefused(t *testing.T) {
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	id := podid.ID("web@default")
+	dir := IdentifierDir(root, id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+
+	// A map of another layout where the state map should be.
+	wrong, err := ebpf.NewMap(&ebpf.MapSpec{Name: "state", Type: ebpf.Array, KeySize: 4, ValueSize: 16, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wrong.Close()
+	if err := wrong.Pin(filepath.Join(dir, "state")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = OpenIdentifier(g, root, id)
+	if !errors.Is(err, ErrIncompatiblePin) {
+		t.Fatalf("open with a foreign state map: got %v, want ErrIncompatiblePin", err)
+	}
+	if err := os.Remove(filepath.Join(dir, "state")); err != nil {
+		t.Fatal(err)
+	}
+
+	// Programs of another identifier (other maps) pinned here.
+	other, err := OpenIdentifier(g, root, "other@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if err := other.Ingress.Pin(filepath.Join(dir, ProgIngressPin)); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Egress.Pin(filepath.Join(dir, ProgEgressPin)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = OpenIdentifier(g, root, id)
+	if !errors.Is(err, ErrIncompatiblePin) {
+		t.Fatalf("open with another identifier's programs: got %v, want ErrIncompatiblePin", err)
+	}
+	// Nothing was swapped: the foreign pins are still there as they were.
+	p, err := ebpf.LoadPinnedProgram(filepath.Join(dir, ProgIngressPin), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if progID(t, p) != progID(t, other.Ingress) {
+		t.Error("an incompatible program pin was replaced")
+	}
+}
+
+func TestGlobalCreationRace(t *testing.T) {
+	root := kernel.PinRoot(t)
+	const n = 8
+	ids := make([]ebpf.MapID, n)
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g, err := OpenGlobal(root)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer g.Close()
+			info, err := g.CTv4.Info()
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			ids[i], _ = info.ID()
+		}()
+	}
+	wg.Wait()
+	for i := range errs {
+		if errs[i] != nil {
+			t.Fatalf("opener %d: %v", i, errs[i])
+		}
+		if ids[i] != ids[0] {
+			t.Fatalf("opener %d got conntrack map %d, opener 0 got %d", i, ids[i], ids[0])
+		}
+	}
+}
+
+func TestRemoveIdentifier(t *testing.T) {
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	id, err := OpenIdentifier(g, root, "web@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	id.Close()
+	if err := RemoveIdentifier(root, "web@default"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(IdentifierDir(root, "web@default")); !os.IsNotExist(err) {
+		t.Errorf("identifier directory still there: %v", err)
+	}
+	if err := RemoveIdentifier(root, "web@default"); err != nil {
+		t.Errorf("second remove: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, GlobalDir, "ct_v4")); err != nil {
+		t.Errorf("global maps must stay: %v", err)
+	}
+	for _, bad := range []podid.ID{"", "../x@y", "a/b@c", "a.b@c"} {
+		if err := RemoveIdentifier(root, bad); !errors.Is(err, podid.ErrInvalid) {
+			t.Errorf("remove %q: got %v, want ErrInvalid", bad, err)
+		}
+	}
+}
+
+func TestApplyPolicyErrors(t *testing.T) {
+	h := newHarness(t)
+	r := rule("10.1.0.0/16")
+	r.Ports = nil
+	for i := uint16(0); i < 65; i++ {
+		r.Ports = append(r.Ports, tcpPort(1000+2*i))
+	}
+	before, _ := h.id.Generation()
+	err := h.id.ApplyPolicy(isolate(rules(r), nil))
+	if !errors.Is(err, policy.ErrTooManyPortRanges) {
+		t.Fatalf("65 port ranges on one prefix: got %v, want ErrTooManyPortRanges", err)
+	}
+	if after, _ := h.id.Generation(); after != before {
+		t.Error("a refused policy bumped the generation")
+	}
+}
