@@ -62,6 +62,13 @@ func (h *harness) flushCT(tb testing.TB) {
 	}
 }
 
+func policyDir(egress bool) policy.Direction {
+	if egress {
+		return policy.Egress
+	}
+	return policy.Ingress
+}
+
 func (h *harness) prog(d policy.Direction) *ebpf.Program {
 	if d == policy.Egress {
 		return h.id.Egress

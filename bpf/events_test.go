@@ -1,0 +1,76 @@
+package bpf
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+)
+
+func TestDenyEvents(t *testing.T) {
+	h := newHarness(t)
+	h.apply(t, isolate(rules(rule("10.1.0.0/16", tcpPort(80))), rules()))
+	events, err := OpenDenyEvents(h.g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer events.Close()
+
+	// Earlier tests in this process may have spent the budget; the bucket
+	// refills at about one token per millisecond.
+	time.Sleep(100 * time.Millisecond)
+
+	cases := []struct {
+		frame  []byte
+		egress bool
+		src    string
+		dst    string
+	}{
+		{tcp(peer4, pod4, 40000, 81).Marshal(), false, peer4 + ":40000", pod4 + ":81"},
+		{tcp(pod6, peer6, 5000, 443).Marshal(), true, "[" + pod6 + "]:5000", "[" + peer6 + "]:443"},
+	}
+	for _, c := range cases {
+		d := policyDir(c.egress)
+		if ret := h.run(t, d, c.frame); ret != VerdictDrop {
+			t.Fatalf("not dropped: %#x", ret)
+		}
+		events.SetDeadline(time.Now().Add(time.Second))
+		e, err := events.Read()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e.Egress != c.egress || e.Reason != ReasonPolicyDeny || e.Proto != 6 ||
+			e.Src != netip.MustParseAddrPort(c.src) || e.Dst != netip.MustParseAddrPort(c.dst) || e.Ifindex != 1 {
+			t.Errorf("event %+v, want %s -> %s egress=%v", e, c.src, c.dst, c.egress)
+		}
+	}
+
+	// A flood is rate-limited: a burst, then about one event per millisecond.
+	flood := tcp(peer4, pod4, 40000, 81).Marshal()
+	if _, _, err := h.id.Ingress.Benchmark(flood, 100000, nil); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for {
+		events.SetDeadline(time.Now().Add(50 * time.Millisecond))
+		if _, err := events.Read(); err != nil {
+			if !errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatal(err)
+			}
+			break
+		}
+		n++
+	}
+	if n == 0 || n > 200 {
+		t.Errorf("100000 denied packets produced %d events, want a burst of at most 64 plus refills", n)
+	}
+	t.Logf("100000 denied packets, %d events", n)
+}
+
+func TestDenyEventShort(t *testing.T) {
+	var e DenyEvent
+	if err := e.UnmarshalBinary(make([]byte, 10)); !errors.Is(err, ErrShortEvent) {
+		t.Errorf("got %v, want ErrShortEvent", err)
+	}
+}
