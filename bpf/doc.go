@@ -1,0 +1,23 @@
+// Package bpf is podfence's datapath: the TC programs in podfence.c (one
+// ingress and one egress program, each handling IPv4 and IPv6), their
+// bpf2go output, and the loader that shares them through bpffs.
+//
+// Objects live below a pin root (default /sys/fs/bpf/podfence):
+//
+//	global/           conntrack maps (v4, v6), the node's addresses, the deny
+//	                  event ring buffer and its per-CPU rate limiter
+//	ids/<identifier>/ both programs, the state map (policy generation and
+//	                  isolation), per-CPU verdict counters, four policy tries
+//
+// OpenGlobal and OpenIdentifier reuse compatible pins and refuse
+// incompatible ones (ErrIncompatiblePin) rather than swapping them, because
+// replicas attached to the old objects would stop sharing state. ApplyPolicy
+// writes a compiled policy.Set and bumps the generation, after which every
+// tracked flow is re-checked on its next packet. Callers serialise work on
+// one identifier (the CNI plugin holds its lock).
+//
+// Requires Linux 5.10: ring buffer (5.8), global functions with scalar
+// arguments (5.6), bounded loops (5.3). Where bpf_ktime_get_coarse_ns exists
+// (5.11) conntrack timestamps use it; attaching (TCX from 6.6, clsact and
+// cls_bpf before) is package attach's job.
+package bpf
