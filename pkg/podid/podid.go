@@ -47,7 +47,7 @@ func FromPod(name, namespace string) (ID, error) {
 	if err := validateLabel(namespace); err != nil {
 		return "", fmt.Errorf("pod namespace %q: %w", namespace, err)
 	}
-	return build(Workload(name) + "@" + namespace), nil
+	return build(Workload(name), "@"+namespace), nil
 }
 
 // Workload returns the part of a pod name shared by its replicas: the name
@@ -77,19 +77,20 @@ func FromContainerID(containerID string) (ID, error) {
 			return "", fmt.Errorf("container id %q: character %q not allowed: %w", containerID, c, ErrInvalid)
 		}
 	}
-	return build(containerPrefix + containerID), nil
+	return build(containerPrefix+containerID, ""), nil
 }
 
-// build maps '.' (refused by bpffs) to '_' (absent from Kubernetes names),
-// which keeps the mapping injective, and shortens over-long results with a
-// hash of the whole so that distinct inputs stay distinct.
-func build(s string) ID {
-	s = strings.ReplaceAll(s, ".", "_")
-	if len(s) > maxLen {
-		sum := sha256.Sum256([]byte(s))
-		s = s[:maxLen-17] + "~" + hex.EncodeToString(sum[:8])
+// build joins name and suffix, mapping '.' (refused by bpffs) to '_' (absent
+// from Kubernetes names), which keeps the mapping injective. An over-long
+// name is cut and followed by a hash of the whole, so distinct inputs stay
+// distinct and the suffix ("@namespace") is kept.
+func build(name, suffix string) ID {
+	name = strings.ReplaceAll(name, ".", "_")
+	if len(name)+len(suffix) > maxLen {
+		sum := sha256.Sum256([]byte(name + suffix))
+		name = name[:maxLen-len(suffix)-17] + "~" + hex.EncodeToString(sum[:8])
 	}
-	return ID(s)
+	return ID(name + suffix)
 }
 
 // Valid reports whether s has the form of an identifier this package builds.
