@@ -121,7 +121,13 @@ func (o *Options) check(op string) error {
 //
 // Whichever mechanism is used, a podfence attachment made on the same hook
 // by the other one (after attachMode changed) is removed, so that exactly one
-// podfence program runs there.
+// podfence program runs there; the new one is in place before the old one
+// goes.
+//
+// TCX requires Linux 6.6 (ModeTCX on an older kernel fails with an error
+// wrapping ErrTCXUnsupported; ModeAuto falls back to TC). The legacy path
+// requires Linux 4.13 (clsact and direct action from 4.5, program IDs in
+// filter dumps from 4.13).
 func Attach(o Options) (Mode, error) {
 	if err := o.check("attach"); err != nil {
 		return "", err
