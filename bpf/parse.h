@@ -196,6 +196,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 	void *end = (void *)(long)skb->data_end;
 	__u32 linear = end - data;
 
+	f->sport = 0;
+	f->dport = 0;
+	f->opens = 0;
+
 	if (linear < skb->len && linear < PULL_LEN) {
 		bpf_skb_pull_data(skb, skb->len < PULL_LEN ? skb->len : PULL_LEN);
 		data = (void *)(long)skb->data;

@@ -227,8 +227,13 @@ static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flo
 	e->reason = reason;
 	e->sport = f->sport;
 	e->dport = f->dport;
-	__builtin_memcpy(e->src, f->src.v6, 16);
-	__builtin_memcpy(e->dst, f->dst.v6, 16);
+	if (f->family == 4) {
+		__builtin_memcpy(e->src, f->src.v6, 4);
+		__builtin_memcpy(e->dst, f->dst.v6, 4);
+	} else {
+		__builtin_memcpy(e->src, f->src.v6, 16);
+		__builtin_memcpy(e->dst, f->dst.v6, 16);
+	}
 	bpf_ringbuf_submit(e, 0);
 	return VERDICT_DROP;
 }
@@ -251,6 +256,7 @@ static __always_inline void *ct_map(const int family)
 		(k).sport = (pod_port);                                                            \
 		(k).dport = (peer_port);                                                           \
 		(k).proto = (proto_);                                                              \
+		(k).pad[0] = (k).pad[1] = (k).pad[2] = 0;                                          \
 		(k).ifindex = (ifidx);                                                             \
 	} while (0)
 
@@ -299,7 +305,7 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
 					  struct flow *f, struct id_state *st)
 {
-	union ct_key key = {};
+	union ct_key key; // every byte of the family's key is written below
 	ct_key_fill(&key, family, dir, f, skb->ifindex);
 	// A TCP SYN opens a connection, so there is nothing to look up: it is
 	// judged as new (an allowed one overwrites a stale entry of the same
@@ -349,7 +355,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 {
-	struct flow f = {};
+	struct flow f; // parse writes every field the family uses
 
 	switch (parse(skb, &f)) {
 	case PARSE_NOT_IP:
