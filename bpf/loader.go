@@ -163,6 +163,8 @@ type Identifier struct {
 	ID  podid.ID
 	Dir string // pin directory
 
+	global *Global
+
 	Ingress, Egress *ebpf.Program
 	State, Counters *ebpf.Map
 	// Policy tries by [policy.Direction][family], family 0 IPv4, 1 IPv6.
@@ -192,7 +194,7 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
 
-	ident := &Identifier{ID: id, Dir: dir}
+	ident := &Identifier{ID: id, Dir: dir, global: g}
 	if err := ident.openMaps(cs, dir); err != nil {
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
 	}

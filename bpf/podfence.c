@@ -44,8 +44,11 @@ struct {
 	__type(value, struct ct_value);
 } ct_v6 SEC(".maps");
 
-// The node's own addresses (IPv4 as IPv4-mapped IPv6): kubelet probes come
-// from them and are always allowed.
+// The node's own addresses (IPv4 as IPv4-mapped IPv6), from which kubelet
+// probes come. The programs do not read it: the loader copies these
+// addresses into every identifier's ingress tries (POLICY_NODE entries), so
+// a new flow costs one lookup, not two. It is pinned here so that every
+// process programming tries sees the same set.
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 256);
@@ -116,6 +119,11 @@ static __always_inline void count(int dir, int reason)
 		*c += 1;
 }
 
+// Results of policy_lookup.
+#define POLICY_DENIED 0
+#define POLICY_ALLOWED 1
+#define POLICY_ALLOWED_NODE 2
+
 // Selector bits of policy_lookup's third argument.
 #define SEL_EGRESS (1u << 31)
 #define SEL_IPV6 (1u << 30)
@@ -145,7 +153,9 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 	else
 		v = bpf_map_lookup_elem((sel & SEL_IPV6) ? (void *)&pol_in_v6 : (void *)&pol_in_v4, &key);
 	if (!v)
-		return 0;
+		return POLICY_DENIED;
+	if (v->flags & POLICY_NODE)
+		return POLICY_ALLOWED_NODE;
 
 	__u32 proto = (sel >> SEL_PROTO_SHIFT) & 0xff;
 	__u32 port = sel & 0xffff;
@@ -160,36 +170,24 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 		__s32 proto_miss = (__s32)((r->proto ^ proto) * r->proto) - 1;
 		__s32 port_in = (__s32)((port - r->first) & 0xffff) - (__s32)(r->last - r->first) - 1;
 		if ((proto_miss & port_in) < 0)
-			return 1;
+			return POLICY_ALLOWED;
 	}
-	return 0;
+	return POLICY_DENIED;
 }
 
 // policy_allows evaluates one direction's policy for a flow whose remote end
-// is addr (network order, 4 or 16 bytes) and whose destination port is port.
+// is addr (network order, 4 or 16 bytes) and whose destination port is port,
+// and returns a POLICY_* result.
 static __always_inline int policy_allows(int dir, const int family, struct id_state *st,
 					 const __u8 *addr, __u8 proto, __u16 port)
 {
 	if (!(st->isolated & (1 << dir)))
-		return 1;
+		return POLICY_ALLOWED;
 	union addr_words a = {};
 	__builtin_memcpy(a.b, addr, family == 4 ? 4 : 16);
 	__u32 sel = (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0) |
 		    ((__u32)proto << SEL_PROTO_SHIFT) | port;
 	return policy_lookup(a.w[0], a.w[1], sel);
-}
-
-static __always_inline int is_node_addr(const int family, const __u8 *addr)
-{
-	__u8 key[16] = {};
-	if (family == 4) {
-		key[10] = 0xff;
-		key[11] = 0xff;
-		__builtin_memcpy(&key[12], addr, 4);
-	} else {
-		__builtin_memcpy(key, addr, 16);
-	}
-	return bpf_map_lookup_elem(&node_addrs, key) != NULL;
 }
 
 static __always_inline int event_allowed(__u64 now)
@@ -342,14 +340,12 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED);
 	}
-	if (allowed)
-		return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
-	// The node (kubelet probes) is checked only for what policy denies:
-	// flows the policy allows need not pay for the lookup.
-	if (dir == DIR_INGRESS && is_node_addr(family, peer)) {
+	if (allowed == POLICY_ALLOWED_NODE) {
 		nv.flags = CT_NODE;
 		return allow_new(dir, family, &key, &nv, REASON_NODE);
 	}
+	if (allowed)
+		return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
 	return deny(skb, dir, f, REASON_POLICY_DENY);
 }
 

@@ -71,7 +71,8 @@ type podfenceLpmKeyV6 struct {
 
 type podfencePolicyValue struct {
 	_      structs.HostLayout
-	Count  uint32
+	Count  uint16
+	Flags  uint16
 	Ranges [64]podfencePortRange
 }
 

@@ -10,6 +10,9 @@ import (
 	"github.com/podfence/podfence/pkg/policy"
 )
 
+// policyNode marks a trie entry of one of the node's addresses (POLICY_NODE).
+const policyNode uint16 = 1
+
 // Mode values stored in id_state.mode.
 const (
 	stateModeStandard uint8 = 0
@@ -21,7 +24,15 @@ const (
 // rules on their next packet. Entries are written before the isolation bits
 // change, so a direction that becomes isolated is never enforced against an
 // empty trie. Callers serialise ApplyPolicy per identifier.
+//
+// The node's addresses (Global.SetNodeAddrs) become entries of the ingress
+// tries that allow everything, so that kubelet probes pass whatever the
+// policy says; after the node's addresses change, apply again.
 func (i *Identifier) ApplyPolicy(set policy.Set) error {
+	nodes, err := i.global.NodeAddresses()
+	if err != nil {
+		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
 	var desired [2][2]map[string]*podfencePolicyValue
 	for _, d := range []policy.Direction{policy.Ingress, policy.Egress} {
 		v4, v6, err := set.Direction(d).Compile()
@@ -33,6 +44,15 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 				return fmt.Errorf("encode %s policy of %q: %w", d, i.ID, err)
 			}
 		}
+	}
+	for _, a := range nodes {
+		f := 0
+		if a.Is6() {
+			f = 1
+		}
+		// A host prefix is the longest there is, so the node's entry never
+		// hides a rule from any other address.
+		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
 	}
 	for d := range desired {
 		for f := range desired[d] {
@@ -81,7 +101,7 @@ func encodeEntries(entries []policy.Entry) (map[string]*podfencePolicyValue, err
 		if len(e.Ports) > policy.MaxPortRanges {
 			return nil, fmt.Errorf("prefix %s: %d port ranges: %w", e.Prefix, len(e.Ports), policy.ErrTooManyPortRanges)
 		}
-		v := &podfencePolicyValue{Count: uint32(len(e.Ports))}
+		v := &podfencePolicyValue{Count: uint16(len(e.Ports))}
 		for j, r := range e.Ports {
 			v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
 		}

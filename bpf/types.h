@@ -47,10 +47,15 @@ struct port_range {
 	__u16 last;  // inclusive
 };
 
+enum policy_flags {
+	POLICY_NODE = 1, // the key is one of the node's addresses: everything is allowed
+};
+
 // Value of a policy LPM entry: what is allowed for addresses whose longest
 // matching prefix is the key. count 0 denies.
 struct policy_value {
-	__u32 count;
+	__u16 count;
+	__u16 flags; // enum policy_flags
 	struct port_range ranges[MAX_PORT_RANGES];
 };
 

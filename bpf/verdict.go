@@ -73,8 +73,24 @@ func (i *Identifier) ReadCounters() (Counters, error) {
 	return c, nil
 }
 
+// NodeAddresses returns the node's own addresses as SetNodeAddrs recorded them.
+func (g *Global) NodeAddresses() ([]netip.Addr, error) {
+	var addrs []netip.Addr
+	var k [16]byte
+	var v uint8
+	it := g.NodeAddrs.Iterate()
+	for it.Next(&k, &v) {
+		addrs = append(addrs, netip.AddrFrom16(k).Unmap())
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("list node addresses: %w", err)
+	}
+	return addrs, nil
+}
+
 // SetNodeAddrs replaces the set of the node's own addresses, from which
-// traffic to pods is always allowed (kubelet probes).
+// traffic to pods is always allowed (kubelet probes). Identifiers pick the
+// change up at their next ApplyPolicy.
 func (g *Global) SetNodeAddrs(addrs []netip.Addr) error {
 	want := make(map[[16]byte]bool, len(addrs))
 	for _, a := range addrs {

@@ -175,6 +175,9 @@ func verdictCases() []verdictCase {
 		{"node address always allowed in", denyBoth, []step{
 			send(in, tcp(node4, pod4, 5555, 8080), ReasonNode), send(out, tcp(pod4, node4, 8080, 5555), ReasonCTReply)}},
 		{"node v6 address always allowed in", denyBoth, []step{send(in, tcp(node6, pod6, 5555, 8080), ReasonNode)}},
+		{"node inside a rule's except is still allowed", isolate(rules(except(rule("192.168.0.0/16", tcpPort(80)), "192.168.0.0/24")), nil), []step{
+			send(in, syn(tcp(node4, pod4, 5555, 8080)), ReasonNode), send(in, syn(tcp("192.168.0.2", pod4, 5555, 80)), ReasonPolicyDeny),
+			send(in, syn(tcp("192.168.1.2", pod4, 5555, 80)), ReasonPolicyAllow)}},
 		{"pod to node is policy", denyBoth, []step{send(out, tcp(pod4, node4, 1, 10250), ReasonPolicyDeny)}},
 
 		// Conntrack.
@@ -246,6 +249,31 @@ func verdictCases() []verdictCase {
 		{"v6 later fragment needs a portless rule", web80v6, []step{send(in, ext(tcpIn6, frag6), ReasonPolicyDeny)}},
 		{"v6 later fragment under portless rule", isolate(rules(rule("fd01::/64")), nil), []step{send(in, ext(tcpIn6, extHdrs(0)[0], frag6), ReasonPolicyAllow)}},
 		{"v6 conntrack after ext headers", web80v6, []step{send(in, ext(tcpIn6, extHdrs(0)...), ReasonPolicyAllow), send(in, tcpIn6, ReasonCTEstablished)}},
+	}
+}
+
+func TestNodeAddressesFollowTheNode(t *testing.T) {
+	h := newHarness(t)
+	probe := syn(tcp(node4, pod4, 5555, 8080)).Marshal()
+	for _, c := range []struct {
+		nodes []netip.Addr
+		want  Reason
+	}{
+		{[]netip.Addr{ip(node4)}, ReasonNode},
+		{nil, ReasonPolicyDeny},
+		{[]netip.Addr{ip(node6), ip(node4)}, ReasonNode},
+	} {
+		if err := h.g.SetNodeAddrs(c.nodes); err != nil {
+			t.Fatal(err)
+		}
+		h.apply(t, isolate(rules(), nil))
+		if _, reason := h.runReason(t, in, probe); reason != c.want {
+			t.Errorf("node addresses %v: got %s, want %s", c.nodes, reason, c.want)
+		}
+		got, err := h.g.NodeAddresses()
+		if err != nil || len(got) != len(c.nodes) {
+			t.Errorf("NodeAddresses() = %v, %v; want %v", got, err, c.nodes)
+		}
 	}
 }
 
