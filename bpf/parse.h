@@ -131,6 +131,18 @@ static __always_inline int parse_ipv4(void *data, void *end, struct flow *f)
 	return parse_l4(l4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
 }
 
+// is_zero is 1 when x (below 2^31) is 0, else 0, without a branch.
+static __always_inline __u32 is_zero(__u32 x)
+{
+	return (x - 1) >> 31;
+}
+
+static __always_inline int is_ext_hdr(__u32 next)
+{
+	return next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
+	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH;
+}
+
 static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 {
 	struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
@@ -143,42 +155,35 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	__builtin_memcpy(f->src.v6, &ip6->saddr, 16);
 	__builtin_memcpy(f->dst.v6, &ip6->daddr, 16);
 
-	__u8 next = ip6->nexthdr;
+	__u32 next = ip6->nexthdr;
 	__u32 off = sizeof(struct ethhdr) + sizeof(struct ipv6hdr);
 
-	for (int i = 0; i < MAX_EXT_HDRS; i++) {
-		if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING && next != IPPROTO_DSTOPTS &&
-		    next != IPPROTO_FRAGMENT && next != IPPROTO_AH)
-			break;
+	// The common case, an upper-layer header right after the IPv6 header,
+	// skips the walk.
+	for (int i = 0; i < MAX_EXT_HDRS && is_ext_hdr(next); i++) {
 		// Bounding off keeps the verifier's view of the pointer finite.
 		if (off > PULL_LEN)
 			return PARSE_MALFORMED;
 		struct ext_hdr *h = data + off;
 		if ((void *)(h + 1) > end)
 			return PARSE_MALFORMED;
-		switch (next) {
-		case IPPROTO_FRAGMENT:
-			// A non-first fragment has no upper-layer header to read:
-			// stop here with ports 0. Returning (instead of carrying a
-			// flag to the end) keeps the verifier's paths few.
-			if (h->frag_off & bpf_htons(0xfff8)) {
-				f->proto = h->nexthdr;
-				return PARSE_OK;
-			}
-			off += 8;
-			break;
-		case IPPROTO_AH:
-			off += ((__u32)h->hdrlen + 2) * 4;
-			break;
-		default:
-			off += ((__u32)h->hdrlen + 1) * 8;
+		__u32 is_frag = is_zero(next ^ IPPROTO_FRAGMENT);
+		// A non-first fragment has no upper-layer header to read: stop
+		// here with ports 0.
+		if (is_frag && (h->frag_off & bpf_htons(0xfff8))) {
+			f->proto = h->nexthdr;
+			return PARSE_OK;
 		}
+		// The length without a branch per header type, so the verifier
+		// follows one path through each iteration instead of three:
+		// AH counts 4-byte units less 2, the others 8-byte units less 1,
+		// and the fragment header (whose length byte is reserved) is 8.
+		__u32 is_ah = is_zero(next ^ IPPROTO_AH);
+		__u32 units = (__u32)h->hdrlen & (is_frag - 1);
+		off += (units + 1 + is_ah) << (3 - is_ah);
 		next = h->nexthdr;
 	}
-	if (next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
-	    next == IPPROTO_FRAGMENT || next == IPPROTO_AH)
-		return PARSE_MALFORMED;
-	if (off > PULL_LEN)
+	if (is_ext_hdr(next) || off > PULL_LEN)
 		return PARSE_MALFORMED;
 
 	void *l4 = data + off;
