@@ -160,7 +160,8 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 
 	// The common case, an upper-layer header right after the IPv6 header,
 	// skips the walk.
-	for (int i = 0; i < MAX_EXT_HDRS && is_ext_hdr(next); i++) {
+	int i;
+	for (i = 0; i < MAX_EXT_HDRS && is_ext_hdr(next); i++) {
 		// Bounding off keeps the verifier's view of the pointer finite.
 		if (off > PULL_LEN)
 			return PARSE_MALFORMED;
@@ -183,7 +184,9 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 		off += (units + 1 + is_ah) << (3 - is_ah);
 		next = h->nexthdr;
 	}
-	if (is_ext_hdr(next) || off > PULL_LEN)
+	if (i == MAX_EXT_HDRS && is_ext_hdr(next))
+		return PARSE_MALFORMED;
+	if (off > PULL_LEN)
 		return PARSE_MALFORMED;
 
 	void *l4 = data + off;
