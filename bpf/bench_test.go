@@ -2,8 +2,8 @@ package bpf
 
 import (
 	"fmt"
-	"net/netip"
 	"math"
+	"net/netip"
 	"sort"
 	"testing"
 
