@@ -7,10 +7,11 @@ PKGS := ./...
 
 all: build
 
-# The binaries (bin/podfence, bin/podfence-sweeper) arrive with the CNI
-# plugin and sweeper issues; until then this compiles every package.
+# bin/podfence (the CNI plugin); bin/podfence-sweeper arrives with the
+# sweeper issue.
 build:
 	$(GO) build $(PKGS)
+	$(GO) build -o $(BIN)/podfence ./plugins/podfence
 
 # Rebuild the bpf2go output from bpf/*.c (needs clang); the result is committed.
 generate:

@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/features"
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -402,4 +403,66 @@ func closeAll[T interface{ Close() error }](objs ...T) error {
 		}
 	}
 	return first
+}
+
+// PinnedProgramIDs returns the IDs of id's pinned programs without loading
+// or creating anything (CNI CHECK, the sweeper's ls).
+func PinnedProgramIDs(pinRoot string, id podid.ID) (ingress, egress ebpf.ProgramID, err error) {
+	dir := IdentifierDir(pinRoot, id)
+	for _, p := range []struct {
+		pin string
+		out *ebpf.ProgramID
+	}{{ProgIngressPin, &ingress}, {ProgEgressPin, &egress}} {
+		prog, err := ebpf.LoadPinnedProgram(filepath.Join(dir, p.pin), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
+		}
+		info, err := prog.Info()
+		prog.Close()
+		if err != nil {
+			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
+		}
+		*p.out, _ = info.ID()
+	}
+	return ingress, egress, nil
+}
+
+// CheckPinRoot reports whether pinRoot is on a mounted bpffs and writable
+// (creating it when missing).
+func CheckPinRoot(pinRoot string) error {
+	if err := os.MkdirAll(pinRoot, 0o700); err != nil {
+		return fmt.Errorf("pin root %s: %w", pinRoot, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(pinRoot, &st); err != nil {
+		return fmt.Errorf("pin root %s: %w", pinRoot, err)
+	}
+	if st.Type != unix.BPF_FS_MAGIC {
+		return fmt.Errorf("pin root %s is not on bpffs (mount -t bpf bpf /sys/fs/bpf)", pinRoot)
+	}
+	probe, err := os.MkdirTemp(pinRoot, "status-probe-")
+	if err != nil {
+		return fmt.Errorf("pin root %s is not writable: %w", pinRoot, err)
+	}
+	return os.Remove(probe)
+}
+
+// CheckLoad loads both programs, with throwaway single-entry maps, and
+// unloads them: the kernel accepts this datapath.
+func CheckLoad() error {
+	cs, err := collectionSpec()
+	if err != nil {
+		return err
+	}
+	for _, ms := range cs.Maps {
+		if ms.Type != ebpf.RingBuf && ms.MaxEntries > 1 {
+			ms.MaxEntries = 1
+		}
+	}
+	coll, err := ebpf.NewCollection(cs)
+	if err != nil {
+		return fmt.Errorf("load datapath: %w", err)
+	}
+	coll.Close()
+	return nil
 }

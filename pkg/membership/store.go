@@ -1,0 +1,251 @@
+package membership
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+var (
+	// ErrNoIdentifier is returned by Lock without create when the
+	// identifier has no directory: it has no pins and no members.
+	ErrNoIdentifier = errors.New("identifier has no state")
+	// ErrNotMember is returned when a container interface has no record.
+	ErrNotMember = errors.New("not a member")
+	// ErrCorruptRecord is wrapped when a member record cannot be decoded.
+	ErrCorruptRecord = errors.New("corrupt member record")
+)
+
+const (
+	membersDir = "members"
+	recordName = "record"
+)
+
+// Store keeps membership below a pin root, beside the identifiers' pins:
+//
+//	<root>/ids/<identifier>/members/<key>/record   symlink whose target is the record
+//	<root>/ids/<identifier>/members/<key>/...      the member's TCX link pins
+type Store struct {
+	root string
+}
+
+// New returns the store of a pin root.
+func New(pinRoot string) *Store { return &Store{root: pinRoot} }
+
+// Root is the pin root.
+func (s *Store) Root() string { return s.root }
+
+// Identifiers lists the identifiers that have a directory (pins, members or both).
+func (s *Store) Identifiers() ([]podid.ID, error) {
+	entries, err := os.ReadDir(filepath.Join(s.root, bpf.IdentifiersDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list identifiers: %w", err)
+	}
+	var ids []podid.ID
+	for _, e := range entries {
+		if e.IsDir() && podid.Valid(e.Name()) {
+			ids = append(ids, podid.ID(e.Name()))
+		}
+	}
+	return ids, nil
+}
+
+// Lock is an exclusive hold on one identifier: its pins and members change
+// only under it, across processes (flock on the identifier's directory).
+type Lock struct {
+	ID  podid.ID
+	dir string
+	f   *os.File
+}
+
+// Lock takes the identifier's lock, waiting for another holder. With create,
+// the identifier's directory is made when missing; without, a missing
+// directory is ErrNoIdentifier.
+//
+// The last member's removal deletes the directory while its remover holds
+// the lock, so a waiter may wake up holding the lock of a directory that is
+// gone. Lock therefore checks, once it holds the flock, that the path still
+// names the directory it locked, and starts again otherwise: two processes
+// never both hold an identifier.
+func (s *Store) Lock(id podid.ID, create bool) (*Lock, error) {
+	if !podid.Valid(string(id)) {
+		return nil, fmt.Errorf("lock identifier %q: %w", id, podid.ErrInvalid)
+	}
+	dir := bpf.IdentifierDir(s.root, id)
+	for {
+		if create {
+			if err := os.MkdirAll(dir, 0o700); err != nil {
+				return nil, fmt.Errorf("lock identifier %q: %w", id, err)
+			}
+		}
+		f, err := os.Open(dir)
+		if errors.Is(err, fs.ErrNotExist) {
+			if create {
+				continue // removed between MkdirAll and Open
+			}
+			return nil, fmt.Errorf("lock identifier %q: %w", id, ErrNoIdentifier)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
+		}
+		if err := flock(f); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
+		}
+		same, err := sameFile(f, dir)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
+		}
+		if same {
+			return &Lock{ID: id, dir: dir, f: f}, nil
+		}
+		f.Close() // the directory was removed (and maybe recreated) meanwhile
+	}
+}
+
+func flock(f *os.File) error {
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			return err
+		}
+	}
+}
+
+// sameFile reports whether path still names the directory open as f.
+func sameFile(f *os.File, path string) (bool, error) {
+	var held, now unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &held); err != nil {
+		return false, err
+	}
+	if err := unix.Stat(path, &now); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return false, nil
+		}
+		return false, err
+	}
+	return held.Dev == now.Dev && held.Ino == now.Ino, nil
+}
+
+// Unlock releases the lock. Closing the descriptor releases the flock, also
+// when the process dies.
+func (l *Lock) Unlock() error {
+	return l.f.Close()
+}
+
+// Dir is the identifier's pin directory.
+func (l *Lock) Dir() string { return l.dir }
+
+// MemberDir is where a member's record and link pins live.
+func (l *Lock) MemberDir(key string) string {
+	return filepath.Join(l.dir, membersDir, key)
+}
+
+// Members returns the identifier's members sorted by key. A record that
+// cannot be read is returned as an error naming it, never skipped: callers
+// must not remove the pins of an identifier whose members they cannot see.
+func (l *Lock) Members() ([]Member, error) {
+	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list members of %q: %w", l.ID, err)
+	}
+	var ms []Member
+	for _, e := range entries {
+		m, err := l.Member(e.Name())
+		if errors.Is(err, ErrNotMember) {
+			// A directory without a record: a plugin died while adding
+			// the member, before writing it, so nothing was attached.
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		ms = append(ms, m)
+	}
+	sort.Slice(ms, func(i, j int) bool { return ms[i].Key() < ms[j].Key() })
+	return ms, nil
+}
+
+// Member reads one member's record.
+func (l *Lock) Member(key string) (Member, error) {
+	target, err := os.Readlink(filepath.Join(l.MemberDir(key), recordName))
+	if errors.Is(err, fs.ErrNotExist) {
+		return Member{}, fmt.Errorf("member %s of %q: %w", key, l.ID, ErrNotMember)
+	}
+	if err != nil {
+		return Member{}, fmt.Errorf("member %s of %q: %w", key, l.ID, err)
+	}
+	var m Member
+	if err := m.UnmarshalText([]byte(target)); err != nil {
+		return Member{}, fmt.Errorf("member %s of %q: %w", key, l.ID, err)
+	}
+	return m, nil
+}
+
+// Put records m, replacing a previous record of the same key. The record is
+// written under a temporary name and renamed, so a reader (or a plugin
+// killed midway) never sees half of one.
+func (l *Lock) Put(m Member) error {
+	dir := l.MemberDir(m.Key())
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
+	}
+	text, err := m.MarshalText()
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, recordName+"~new")
+	_ = os.Remove(tmp)
+	if err := os.Symlink(string(text), tmp); err != nil {
+		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, recordName)); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
+	}
+	return nil
+}
+
+// Remove deletes a member's record and whatever else is in its directory
+// (link pins). The caller detaches first: a record is the only trace of
+// where a member's programs are attached. Removing a missing member is not
+// an error.
+func (l *Lock) Remove(key string) error {
+	if err := os.RemoveAll(l.MemberDir(key)); err != nil {
+		return fmt.Errorf("remove member %s of %q: %w", key, l.ID, err)
+	}
+	return nil
+}
+
+// FindContainer looks through every identifier for a container interface's
+// record. DEL uses it when the identifier cannot be derived from its
+// arguments (a runtime that passes Kubernetes arguments to ADD only).
+func (s *Store) FindContainer(containerID, ifname string) (podid.ID, error) {
+	ids, err := s.Identifiers()
+	if err != nil {
+		return "", err
+	}
+	key := Key(containerID, ifname)
+	for _, id := range ids {
+		path := filepath.Join(bpf.IdentifierDir(s.root, id), membersDir, key)
+		if _, err := os.Lstat(path); err == nil {
+			return id, nil
+		}
+	}
+	return "", fmt.Errorf("container %s interface %s: %w", containerID, ifname, ErrNotMember)
+}

@@ -1,0 +1,436 @@
+// Command podfence is the CNI plugin: chained after the primary plugin, it
+// attaches the pod identifier's eBPF programs to the pod's host veth before
+// the pod sends its first packet, and records the pod as a member of the
+// identifier so that only the last replica's DEL removes the shared pins.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/cilium/ebpf"
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// podfence's own CNI error codes (the spec reserves 100 and up for plugins).
+const (
+	errPolicy   uint = 101 // the policy directory holds an invalid document
+	errDatapath uint = 102 // loading, pinning or programming the eBPF objects failed
+	errAttach   uint = 103 // attaching to or detaching from the veth failed
+	errState    uint = 104 // the membership store could not be read or written
+)
+
+func main() {
+	skel.PluginMainFuncs(skel.CNIFuncs{
+		Add:    cmdAdd,
+		Del:    cmdDel,
+		Check:  cmdCheck,
+		GC:     cmdGC,
+		Status: cmdStatus,
+	}, version.PluginSupports("0.4.0", "1.0.0", "1.1.0"), "podfence: Kubernetes NetworkPolicy in eBPF")
+}
+
+func cmdAdd(args *skel.CmdArgs) (err error) {
+	conf, err := parseConfig(args.StdinData, true)
+	if err != nil {
+		return err
+	}
+	call := startCall(conf, "ADD", args)
+	defer func() { call.finish(err) }()
+
+	id, err := identify(args)
+	if err != nil {
+		return err
+	}
+	call.id = id
+	if args.Netns == "" {
+		return types.NewError(types.ErrInvalidEnvironmentVariables, "CNI_NETNS is empty: ADD needs the pod's network namespace", "")
+	}
+	prev, err := current.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return configError("prevResult: %v", err)
+	}
+	veth, err := findHostVeth(prev, args.Netns, args.IfName)
+	if err != nil {
+		return err
+	}
+	call.veth = veth.Name
+	mode, err := attach.Resolve(conf.attachMode)
+	if err != nil {
+		return types.NewError(errAttach, err.Error(), "")
+	}
+	docs, err := policy.LoadDir(conf.PolicyDir)
+	if err != nil {
+		return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
+	}
+	set := policy.ForIdentifier(docs, id, conf.mode)
+	nodes, err := nodeAddrs()
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+
+	store := membership.New(conf.PinRoot)
+	lock, err := store.Lock(id, true)
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	defer lock.Unlock()
+
+	member := membership.Member{
+		ContainerID: args.ContainerID,
+		IfName:      args.IfName,
+		HostVeth:    veth.Name,
+		HostIfindex: veth.Index,
+		IPs:         podIPs(prev),
+		AttachMode:  string(mode),
+	}
+	if err := add(conf, lock, member, set, nodes); err != nil {
+		// Leave nothing behind: this member's attachments and record,
+		// and the identifier's pins if no other member uses them.
+		if cerr := removeMember(lock, member); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		if cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		return err
+	}
+	call.action = fmt.Sprintf("attached (%s), policy selected=%v ingress-isolated=%v egress-isolated=%v",
+		mode, set.Selected, set.Ingress.Isolated, set.Egress.Isolated)
+	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
+}
+
+// add does ADD's work under the identifier's lock. Its order is what makes
+// a kill at any instant repairable (see package membership): pins, then the
+// member's record, then the attachments.
+func add(conf *PluginConf, lock *membership.Lock, m membership.Member, set policy.Set, nodes []netip.Addr) error {
+	g, err := bpf.OpenGlobal(conf.PinRoot)
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	defer g.Close()
+	if err := g.SetNodeAddrs(nodes); err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	ident, err := bpf.OpenIdentifier(g, conf.PinRoot, lock.ID)
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	defer ident.Close()
+	// The policy is in the maps before the programs are attached:
+	// enforcement starts with the pod's first packet.
+	if err := ident.ApplyPolicy(set); err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	if err := lock.Put(m); err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	for _, h := range hooks(lock, m) {
+		prog := ident.Ingress
+		if h.hook == attach.HookIngress {
+			prog = ident.Egress // the pod's egress is the veth's ingress
+		}
+		if _, err := attach.Attach(attach.Options{
+			Ifindex: m.HostIfindex,
+			Hook:    h.hook,
+			Program: prog,
+			Mode:    attach.Mode(m.AttachMode),
+			LinkPin: h.linkPin,
+		}); err != nil {
+			return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, err), "")
+		}
+	}
+	return nil
+}
+
+type hookPin struct {
+	hook    attach.Hook
+	linkPin string
+}
+
+// hooks are a member's two attachments; TCX links are pinned in the
+// member's directory, so removing the member removes them.
+func hooks(lock *membership.Lock, m membership.Member) []hookPin {
+	dir := lock.MemberDir(m.Key())
+	return []hookPin{
+		{attach.HookIngress, filepath.Join(dir, "link_ingress")},
+		{attach.HookEgress, filepath.Join(dir, "link_egress")},
+	}
+}
+
+func cmdDel(args *skel.CmdArgs) (err error) {
+	conf, err := parseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	call := startCall(conf, "DEL", args)
+	defer func() { call.finish(err) }()
+
+	store := membership.New(conf.PinRoot)
+	key := membership.Key(args.ContainerID, args.IfName)
+	// DEL comes in shapes ADD never sees (no netns, no prevResult, after a
+	// failed ADD, twice): it works from the record alone, and finds the
+	// identifier by search when the arguments do not name it.
+	id, idErr := identify(args)
+	lock, err := store.Lock(id, false)
+	if idErr != nil || errors.Is(err, membership.ErrNoIdentifier) {
+		found, ferr := store.FindContainer(args.ContainerID, args.IfName)
+		if ferr != nil {
+			call.action = "nothing recorded"
+			return nil
+		}
+		id = found
+		lock, err = store.Lock(id, false)
+	}
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		call.action = "nothing recorded"
+		return nil
+	}
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	defer lock.Unlock()
+	call.id = id
+
+	m, err := lock.Member(key)
+	switch {
+	case err == nil:
+		call.veth = m.HostVeth
+		if err := removeMember(lock, m); err != nil {
+			return err
+		}
+		call.action = "detached"
+	case errors.Is(err, membership.ErrNotMember):
+		call.action = "not a member"
+	case errors.Is(err, membership.ErrCorruptRecord):
+		// The record is ours and unreadable: what it attached cannot be
+		// found, but its link pins go with its directory.
+		if err := lock.Remove(key); err != nil {
+			return types.NewError(errState, err.Error(), "")
+		}
+		call.action = "removed a corrupt record"
+	default:
+		return types.NewError(errState, err.Error(), "")
+	}
+	if err := removeIfUnused(conf.PinRoot, lock); err != nil {
+		return err
+	}
+	return nil
+}
+
+// removeMember detaches a member's programs and deletes its record. Gone
+// already (veth, links, record) is fine.
+func removeMember(lock *membership.Lock, m membership.Member) error {
+	var errs []error
+	for _, h := range hooks(lock, m) {
+		o := attach.Options{Hook: h.hook, LinkPin: h.linkPin, Ifindex: m.HostIfindex}
+		// The legacy filter is found by ifindex, which a new veth may have
+		// taken since: detach it only from the veth the record names.
+		if !vethStillThere(m) {
+			o.Ifindex = 0
+		}
+		if err := detach(o); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, errors.Join(errs...)), "")
+	}
+	if err := lock.Remove(m.Key()); err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	return nil
+}
+
+// detach removes a TCX link by its pin and, when the veth is still there,
+// podfence's legacy filter from it.
+func detach(o attach.Options) error {
+	if o.Ifindex == 0 {
+		if o.LinkPin == "" {
+			return nil
+		}
+		// The veth is gone: its hooks went with it; only the pin is left.
+		if err := os.Remove(o.LinkPin); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
+	return attach.Detach(o)
+}
+
+// removeIfUnused removes the identifier's pins when it has no member left.
+func removeIfUnused(pinRoot string, lock *membership.Lock) error {
+	ms, err := lock.Members()
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	if len(ms) > 0 {
+		return nil
+	}
+	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	return nil
+}
+
+func cmdCheck(args *skel.CmdArgs) (err error) {
+	conf, err := parseConfig(args.StdinData, true)
+	if err != nil {
+		return err
+	}
+	call := startCall(conf, "CHECK", args)
+	defer func() { call.finish(err) }()
+
+	id, err := identify(args)
+	if err != nil {
+		return err
+	}
+	call.id = id
+	lock, err := membership.New(conf.PinRoot).Lock(id, false)
+	if err != nil {
+		return types.NewError(errState, fmt.Sprintf("container %s: %v", args.ContainerID, err), "")
+	}
+	defer lock.Unlock()
+	m, err := lock.Member(membership.Key(args.ContainerID, args.IfName))
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	call.veth = m.HostVeth
+	ingress, egress, err := bpf.PinnedProgramIDs(conf.PinRoot, id)
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	if !vethStillThere(m) {
+		return types.NewError(errAttach, fmt.Sprintf("veth %s (ifindex %d) of container %s is gone", m.HostVeth, m.HostIfindex, m.ContainerID), "")
+	}
+	for _, c := range []struct {
+		hook attach.Hook
+		want ebpf.ProgramID
+		what string
+	}{{attach.HookEgress, ingress, "ingress"}, {attach.HookIngress, egress, "egress"}} {
+		ids, err := attach.Attached(m.HostIfindex, c.hook)
+		if err != nil {
+			return types.NewError(errAttach, err.Error(), "")
+		}
+		if !slices.Contains(ids, c.want) {
+			return types.NewError(errAttach, fmt.Sprintf("veth %s lacks the %s program of %s (id %d) on its %s hook", m.HostVeth, c.what, id, c.want, c.hook), "")
+		}
+	}
+	call.action = "both programs attached"
+	return nil
+}
+
+func cmdGC(args *skel.CmdArgs) (err error) {
+	conf, err := parseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	call := startCall(conf, "GC", args)
+	defer func() { call.finish(err) }()
+
+	valid := map[string]bool{}
+	for _, a := range conf.ValidAttachments {
+		valid[membership.Key(a.ContainerID, a.IfName)] = true
+	}
+	store := membership.New(conf.PinRoot)
+	ids, err := store.Identifiers()
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	removed, emptied := 0, 0
+	var errs []error
+	for _, id := range ids {
+		r, e, err := gcIdentifier(conf.PinRoot, store, id, valid)
+		removed += r
+		emptied += e
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	call.action = fmt.Sprintf("removed %d stale members, %d unused identifiers", removed, emptied)
+	if len(errs) > 0 {
+		return types.NewError(errState, errors.Join(errs...).Error(), "")
+	}
+	return nil
+}
+
+func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid map[string]bool) (removed, emptied int, err error) {
+	lock, err := store.Lock(id, false)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return 0, 0, nil
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	defer lock.Unlock()
+	ms, err := lock.Members()
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, m := range ms {
+		if valid[m.Key()] {
+			continue
+		}
+		if err := removeMember(lock, m); err != nil {
+			return removed, 0, err
+		}
+		removed++
+	}
+	if len(ms) == removed {
+		if err := removeIfUnused(pinRoot, lock); err != nil {
+			return removed, 0, err
+		}
+		emptied = 1
+	}
+	return removed, emptied, nil
+}
+
+func cmdStatus(args *skel.CmdArgs) (err error) {
+	conf, err := parseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	call := startCall(conf, "STATUS", args)
+	defer func() { call.finish(err) }()
+	if err := bpf.CheckPinRoot(conf.PinRoot); err != nil {
+		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
+	}
+	if err := bpf.CheckLoad(); err != nil {
+		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
+	}
+	call.action = "ready"
+	return nil
+}
+
+// identify derives the pod identifier from K8S_POD_NAME and
+// K8S_POD_NAMESPACE, or from the container ID when the runtime passes no
+// Kubernetes arguments. Invalid names are CNI error 4.
+func identify(args *skel.CmdArgs) (podid.ID, error) {
+	k8s, err := parseK8sArgs(args.Args)
+	if err != nil {
+		return "", types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
+	}
+	var id podid.ID
+	if k8s.name != "" || k8s.namespace != "" {
+		id, err = podid.FromPod(k8s.name, k8s.namespace)
+	} else {
+		id, err = podid.FromContainerID(args.ContainerID)
+	}
+	if err != nil {
+		return "", types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
+	}
+	return id, nil
+}

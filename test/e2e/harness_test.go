@@ -1,0 +1,278 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/test/kernel"
+	"github.com/podfence/podfence/test/netnsutil"
+)
+
+// binDir holds the binaries a runtime would find in /opt/cni/bin: podfence,
+// and ptp and host-local from containernetworking/plugins standing in for
+// the AWS VPC CNI. TestMain builds them.
+var binDir string
+
+func TestMain(m *testing.M) {
+	if os.Geteuid() != 0 {
+		// Every test here needs root; they skip themselves.
+		os.Exit(m.Run())
+	}
+	dir, err := os.MkdirTemp("", "podfence-e2e-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binDir = dir
+	for _, pkg := range []string{
+		"github.com/podfence/podfence/plugins/podfence",
+		"github.com/containernetworking/plugins/plugins/main/ptp",
+		"github.com/containernetworking/plugins/plugins/ipam/host-local",
+	} {
+		out, err := exec.Command("go", "build", "-o", filepath.Join(dir, filepath.Base(pkg)), pkg).CombinedOutput()
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "build %s: %v\n%s", pkg, err, out)
+			os.RemoveAll(dir)
+			os.Exit(1)
+		}
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// cluster is one node: a network namespace playing the host, a pin root of
+// its own, a policy directory, and a conflist chaining ptp and podfence.
+type cluster struct {
+	t          *testing.T
+	node       ns.NetNS
+	pinRoot    string
+	policyDir  string
+	logFile    string
+	attachMode string
+	cni        *libcni.CNIConfig
+	list       *libcni.NetworkConfigList
+	confBytes  []byte
+}
+
+var podSeq atomic.Int64
+
+func newCluster(t *testing.T, attachMode string) *cluster {
+	t.Helper()
+	kernel.RequireRoot(t)
+	tmp := t.TempDir()
+	c := &cluster{
+		t:          t,
+		node:       netnsutil.New(t),
+		pinRoot:    kernel.PinRoot(t),
+		policyDir:  filepath.Join(tmp, "policies"),
+		logFile:    filepath.Join(tmp, "podfence.log"),
+		attachMode: attachMode,
+		cni:        libcni.NewCNIConfig([]string{binDir}, nil),
+	}
+	if err := os.MkdirAll(c.policyDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	conf := map[string]any{
+		"cniVersion": "1.0.0",
+		"name":       "podfence-e2e",
+		"plugins": []any{
+			map[string]any{
+				"type":   "ptp",
+				"ipMasq": false,
+				"ipam": map[string]any{
+					"type":    "host-local",
+					"ranges":  [][]map[string]string{{{"subnet": "10.88.0.0/16"}}},
+					"dataDir": filepath.Join(tmp, "ipam"),
+				},
+			},
+			map[string]any{
+				"type":       "podfence",
+				"pinRoot":    c.pinRoot,
+				"policyDir":  c.policyDir,
+				"attachMode": attachMode,
+				"logFile":    c.logFile,
+			},
+		},
+	}
+	var err error
+	c.confBytes, err = json.Marshal(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.list, err = libcni.ConfListFromBytes(c.confBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			if log, err := os.ReadFile(c.logFile); err == nil {
+				t.Logf("podfence log:\n%s", log)
+			}
+		}
+	})
+	return c
+}
+
+// pod is a pod sandbox: its network namespace and what the chain gave it.
+type pod struct {
+	name, namespace string
+	containerID     string
+	netns           ns.NetNS
+	ip              netip.Addr
+	hostVeth        string
+	deleted         bool
+}
+
+func (c *cluster) runtimeConf(p *pod) *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{
+		ContainerID: p.containerID,
+		NetNS:       p.netns.Path(),
+		IfName:      "eth0",
+		Args: [][2]string{
+			{"IgnoreUnknown", "1"},
+			{"K8S_POD_NAMESPACE", p.namespace},
+			{"K8S_POD_NAME", p.name},
+		},
+	}
+}
+
+// inNode runs fn on a thread in the node namespace: plugins exec'd from it
+// run there, as they run in the host namespace on a real node.
+func (c *cluster) inNode(fn func() error) error {
+	return c.node.Do(func(ns.NetNS) error { return fn() })
+}
+
+// addPod creates a pod namespace and runs the conflist's ADD for it, the
+// way a container runtime does. The pod is deleted when the test ends.
+func (c *cluster) addPod(name, namespace string) *pod {
+	c.t.Helper()
+	p, err := c.tryAddPod(name, namespace)
+	if err != nil {
+		c.t.Fatalf("ADD %s/%s: %v", namespace, name, err)
+	}
+	return p
+}
+
+func (c *cluster) tryAddPod(name, namespace string) (*pod, error) {
+	c.t.Helper()
+	p := &pod{
+		name:        name,
+		namespace:   namespace,
+		containerID: fmt.Sprintf("ctr%06d", podSeq.Add(1)),
+		netns:       netnsutil.New(c.t),
+	}
+	c.t.Cleanup(func() { c.delPodQuiet(p) })
+	var res *current.Result
+	err := c.inNode(func() error {
+		r, err := c.cni.AddNetworkList(context.Background(), c.list, c.runtimeConf(p))
+		if err != nil {
+			return err
+		}
+		res, err = current.NewResultFromResult(r)
+		return err
+	})
+	if err != nil {
+		return p, err
+	}
+	for _, ipc := range res.IPs {
+		p.ip, _ = netip.AddrFromSlice(ipc.Address.IP.To4())
+	}
+	for _, iface := range res.Interfaces {
+		if iface.Sandbox == "" {
+			p.hostVeth = iface.Name
+		}
+	}
+	return p, nil
+}
+
+func (c *cluster) delPod(p *pod) {
+	c.t.Helper()
+	if err := c.inNode(func() error {
+		return c.cni.DelNetworkList(context.Background(), c.list, c.runtimeConf(p))
+	}); err != nil {
+		c.t.Fatalf("DEL %s/%s: %v", p.namespace, p.name, err)
+	}
+	p.deleted = true
+}
+
+func (c *cluster) delPodQuiet(p *pod) {
+	if p.deleted {
+		return
+	}
+	_ = c.inNode(func() error {
+		return c.cni.DelNetworkList(context.Background(), c.list, c.runtimeConf(p))
+	})
+	p.deleted = true
+}
+
+// writePolicy puts a PolicyEndpoint document into the policy directory;
+// ADDs after it program it.
+func (c *cluster) writePolicy(name, doc string) {
+	c.t.Helper()
+	if err := os.WriteFile(filepath.Join(c.policyDir, name+".yaml"), []byte(doc), 0o644); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// connects dials from one pod to another's port.
+func (c *cluster) connects(from, to *pod, port uint16) bool {
+	c.t.Helper()
+	return netnsutil.Connects(c.t, from.netns, netip.AddrPortFrom(to.ip, port), 300*time.Millisecond, 3)
+}
+
+// identifierDir is where the identifier's pins are.
+func (c *cluster) identifierDir(id string) string {
+	return filepath.Join(c.pinRoot, "ids", id)
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
+}
+
+// allowFrom is a PolicyEndpoint isolating the ingress of the named pods
+// (namespace default) and allowing TCP to port from the given clients.
+func allowFrom(selected []string, port uint16, clients ...*pod) string {
+	var b strings.Builder
+	b.WriteString("apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\n")
+	b.WriteString("metadata: {name: allow, namespace: default}\nspec:\n  podIsolation: [Ingress]\n  podSelectorEndpoints:\n")
+	for _, name := range selected {
+		fmt.Fprintf(&b, "  - {name: %s, namespace: default}\n", name)
+	}
+	b.WriteString("  ingress:\n")
+	for _, cl := range clients {
+		fmt.Fprintf(&b, "  - cidr: %s/32\n    ports: [{protocol: TCP, port: %d}]\n", cl.ip, port)
+	}
+	return b.String()
+}
+
+// attachModes are the modes this kernel can run: tc always, tcx from 6.6.
+func attachModes(t *testing.T) []string {
+	modes := []string{"tc"}
+	if attach.TCXSupported() == nil {
+		modes = append([]string{"tcx"}, modes...)
+	} else {
+		t.Logf("tcx not tested: %v", attach.TCXSupported())
+	}
+	return modes
+}
+
+func netnsutilListen(t *testing.T, p *pod, port uint16) {
+	t.Helper()
+	netnsutil.Listen(t, p.netns, port)
+}
