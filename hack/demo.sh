@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The main job for a newcomer. The CNI plugin is not built yet (issue 4);
-# until then the demo runs the datapath's verdict table, which shows the
-# programs allowing and denying real packets in the kernel.
+# The main job for a newcomer (root): builds podfence and the stand-in
+# primary CNI (ptp + host-local), then runs hack/demo, which chains them
+# through libcni in network namespaces and shows a policy at work. It
+# removes everything it creates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hack/deps.sh
-echo "podfence demo: the CNI plugin is not there yet; running the datapath verdict table instead."
-go test -count=1 -v -run 'TestVerdicts' ./bpf/ | grep -E '^(=== RUN|--- |ok|FAIL|PASS)|verdict_test' | sed 's/^=== RUN   /running: /'
+bin=$(mktemp -d)
+trap 'rm -rf "$bin"' EXIT
+echo "building podfence, ptp and host-local into $bin"
+go build -o "$bin/podfence" ./plugins/podfence
+go build -o "$bin/ptp" github.com/containernetworking/plugins/plugins/main/ptp
+go build -o "$bin/host-local" github.com/containernetworking/plugins/plugins/ipam/host-local
+go run ./hack/demo -bin "$bin"
