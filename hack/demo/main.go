@@ -40,12 +40,12 @@ func main() {
 }
 
 type demo struct {
-	node     ns.NetNS
-	cni      *libcni.CNIConfig
-	list     *libcni.NetworkConfigList
-	pinRoot  string
-	policies string
-	pods     []*pod
+	node      ns.NetNS
+	cni       *libcni.CNIConfig
+	list      *libcni.NetworkConfigList
+	pinRoot   string
+	policies  string
+	pods      []*pod
 	surprises int // connections that did not do what the policy says
 }
 
