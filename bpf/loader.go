@@ -63,23 +63,28 @@ var (
 	spec     *ebpf.CollectionSpec
 )
 
-// collectionSpec parses the embedded object once per process and sets its
-// load-time constants for this kernel; callers get a copy.
+// collectionSpec parses the embedded object once per process (a few
+// milliseconds, so only paths that create something call it); callers get a
+// copy.
 func collectionSpec() (*ebpf.CollectionSpec, error) {
 	specOnce.Do(func() {
 		spec, specErr = loadPodfence()
-		if specErr != nil {
-			return
-		}
-		// bpf_ktime_get_coarse_ns needs Linux >= 5.11; see podfence.c.
-		if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
-			specErr = spec.Variables["coarse_clock"].Set(uint32(1))
-		}
 	})
 	if specErr != nil {
 		return nil, fmt.Errorf("load embedded datapath object: %w", specErr)
 	}
 	return spec.Copy(), nil
+}
+
+// setConstants sets the load-time constants for this kernel.
+func setConstants(cs *ebpf.CollectionSpec) error {
+	// bpf_ktime_get_coarse_ns needs Linux >= 5.11; see podfence.c.
+	if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
+		if err := cs.Variables["coarse_clock"].Set(uint32(1)); err != nil {
+			return fmt.Errorf("set coarse_clock: %w", err)
+		}
+	}
+	return nil
 }
 
 // Global holds the node-wide maps: conntrack (v4, v6), the node's own
@@ -95,17 +100,13 @@ type Global struct {
 // pinning them on first use. A pinned map of another layout is an error
 // wrapping ErrIncompatiblePin.
 func OpenGlobal(pinRoot string) (*Global, error) {
-	cs, err := collectionSpec()
-	if err != nil {
-		return nil, err
-	}
 	dir := filepath.Join(pinRoot, GlobalDir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
 	maps := make(map[string]*ebpf.Map, len(globalMaps))
 	for _, name := range globalMaps {
-		m, err := openPinnedMap(cs.Maps[name], dir)
+		m, err := openPinnedMap(name, dir)
 		if err != nil {
 			closeMaps(maps)
 			return nil, err
@@ -121,11 +122,28 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 	}, nil
 }
 
-// openPinnedMap loads the map pinned as dir/<name> when it is compatible with
-// ms, or creates and pins it. Two processes racing to create it both end up
-// with the one that was pinned first.
-func openPinnedMap(ms *ebpf.MapSpec, dir string) (*ebpf.Map, error) {
-	ms = ms.Copy()
+// openPinnedMap loads the map pinned as dir/<name> when its layout is this
+// datapath's, or creates and pins it. Two processes racing to create it both
+// end up with the one that was pinned first.
+func openPinnedMap(name, dir string) (*ebpf.Map, error) {
+	path := filepath.Join(dir, name)
+	// The common case, a pin that exists, needs no object file parsing.
+	m, err := ebpf.LoadPinnedMap(path, nil)
+	if err == nil {
+		if err := checkLayout(name, m); err != nil {
+			m.Close()
+			return nil, fmt.Errorf("pin %s: %w: %w", path, ErrIncompatiblePin, err)
+		}
+		return m, nil
+	}
+	if !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("open map pin %s: %w", path, err)
+	}
+	cs, err := collectionSpec()
+	if err != nil {
+		return nil, err
+	}
+	ms := cs.Maps[name]
 	ms.Pinning = ebpf.PinByName
 	for attempt := 0; ; attempt++ {
 		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: dir})
@@ -133,13 +151,13 @@ func openPinnedMap(ms *ebpf.MapSpec, dir string) (*ebpf.Map, error) {
 			return m, nil
 		}
 		if errors.Is(err, ebpf.ErrMapIncompatible) {
-			return nil, fmt.Errorf("pin %s: %w: %w", filepath.Join(dir, ms.Name), ErrIncompatiblePin, err)
+			return nil, fmt.Errorf("pin %s: %w: %w", path, ErrIncompatiblePin, err)
 		}
 		// Lost a creation race: the winner's pin is there now.
 		if errors.Is(err, os.ErrExist) && attempt < 3 {
 			continue
 		}
-		return nil, fmt.Errorf("open map %s in %s: %w", ms.Name, dir, err)
+		return nil, fmt.Errorf("open map %s in %s: %w", name, dir, err)
 	}
 }
 
@@ -186,17 +204,13 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 	if !podid.Valid(string(id)) {
 		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
 	}
-	cs, err := collectionSpec()
-	if err != nil {
-		return nil, err
-	}
 	dir := IdentifierDir(pinRoot, id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
 
 	ident := &Identifier{ID: id, Dir: dir, global: g}
-	if err := ident.openMaps(cs, dir); err != nil {
+	if err := ident.openMaps(dir); err != nil {
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
 	}
 	reused, err := ident.openPinnedPrograms(g)
@@ -207,17 +221,17 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 	if reused {
 		return ident, nil
 	}
-	if err := ident.loadPrograms(cs, g); err != nil {
+	if err := ident.loadPrograms(g); err != nil {
 		ident.Close()
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
 	}
 	return ident, nil
 }
 
-func (i *Identifier) openMaps(cs *ebpf.CollectionSpec, dir string) error {
+func (i *Identifier) openMaps(dir string) error {
 	var err error
 	_, statePinned := os.Stat(filepath.Join(dir, mapState))
-	if i.State, err = openPinnedMap(cs.Maps[mapState], dir); err != nil {
+	if i.State, err = openPinnedMap(mapState, dir); err != nil {
 		return err
 	}
 	if statePinned != nil {
@@ -231,12 +245,12 @@ func (i *Identifier) openMaps(cs *ebpf.CollectionSpec, dir string) error {
 			return fmt.Errorf("initialise state: %w", err)
 		}
 	}
-	if i.Counters, err = openPinnedMap(cs.Maps[mapCounters], dir); err != nil {
+	if i.Counters, err = openPinnedMap(mapCounters, dir); err != nil {
 		return err
 	}
 	for d := range policyMaps {
 		for f := range policyMaps[d] {
-			if i.Policy[d][f], err = openPinnedMap(cs.Maps[policyMaps[d][f]], dir); err != nil {
+			if i.Policy[d][f], err = openPinnedMap(policyMaps[d][f], dir); err != nil {
 				return err
 			}
 		}
@@ -317,7 +331,14 @@ func isConstants(id ebpf.MapID) bool {
 	return err == nil && strings.HasSuffix(info.Name, ".rodata")
 }
 
-func (i *Identifier) loadPrograms(cs *ebpf.CollectionSpec, g *Global) error {
+func (i *Identifier) loadPrograms(g *Global) error {
+	cs, err := collectionSpec()
+	if err != nil {
+		return err
+	}
+	if err := setConstants(cs); err != nil {
+		return err
+	}
 	repl := g.replacements()
 	repl[mapState] = i.State
 	repl[mapCounters] = i.Counters
@@ -452,6 +473,9 @@ func CheckPinRoot(pinRoot string) error {
 func CheckLoad() error {
 	cs, err := collectionSpec()
 	if err != nil {
+		return err
+	}
+	if err := setConstants(cs); err != nil {
 		return err
 	}
 	for _, ms := range cs.Maps {

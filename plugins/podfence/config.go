@@ -57,9 +57,14 @@ var knownKeys = map[string]bool{
 	"cniVersion": true, "name": true, "type": true, "capabilities": true, "ipam": true,
 	"dns": true, "prevResult": true, "cni.dev/valid-attachments": true,
 	"runtimeConfig": true, "args": true,
+	// The name an earlier draft of the spec used; libcni's GC sends it
+	// beside the current one (containernetworking/cni#1101).
+	oldValidAttachmentsKey: true,
 	"pinRoot": true, "policyDir": true, "enforcingMode": true, "attachMode": true,
 	"logFile": true, "logLevel": true,
 }
+
+const oldValidAttachmentsKey = "cni.dev/attachments"
 
 // parseConfig decodes and validates stdin. With needPrevResult (ADD, CHECK)
 // a missing prevResult is an error; DEL and GC run without one.
@@ -83,6 +88,13 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 	dec := json.NewDecoder(bytes.NewReader(stdin))
 	if err := dec.Decode(conf); err != nil {
 		return nil, configError("decode config: %v", err)
+	}
+	if _, ok := raw["cni.dev/valid-attachments"]; !ok && raw[oldValidAttachmentsKey] != nil {
+		// A runtime that sends only the old name: reading nothing would
+		// have GC remove every member.
+		if err := json.Unmarshal(raw[oldValidAttachmentsKey], &conf.ValidAttachments); err != nil {
+			return nil, configError("decode config: %s: %v", oldValidAttachmentsKey, err)
+		}
 	}
 	if conf.PinRoot == "" {
 		conf.PinRoot = defaultPinRoot

@@ -21,6 +21,19 @@ type call struct {
 	id     podid.ID
 	veth   string
 	action string
+
+	last   time.Time
+	phases []any // name, milliseconds, name, milliseconds...
+}
+
+// mark ends a phase of the call; finish logs how long each took.
+func (c *call) mark(phase string) {
+	now := time.Now()
+	if c.last.IsZero() {
+		c.last = c.start
+	}
+	c.phases = append(c.phases, slog.Float64(phase, float64(now.Sub(c.last).Microseconds())/1000))
+	c.last = now
 }
 
 // startCall opens the log. Logging never fails a call: without a writable
@@ -43,6 +56,9 @@ func (c *call) finish(err error) {
 		"cmd", c.cmd, "container", c.container, "ifname", c.ifname,
 		"identifier", string(c.id), "veth", c.veth, "action", c.action,
 		"duration_ms", float64(time.Since(c.start).Microseconds()) / 1000,
+	}
+	if len(c.phases) > 0 {
+		attrs = append(attrs, slog.Group("phases_ms", c.phases...))
 	}
 	if err != nil {
 		c.log.Error("podfence "+c.cmd+" failed", append(attrs, "error", err.Error())...)

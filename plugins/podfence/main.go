@@ -68,6 +68,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.veth = veth.Name
+	call.mark("find-veth")
 	mode, err := attach.Resolve(conf.attachMode)
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
@@ -81,6 +82,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
+	call.mark("read-policy")
 
 	store := membership.New(conf.PinRoot)
 	lock, err := store.Lock(id, true)
@@ -88,6 +90,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return types.NewError(errState, err.Error(), "")
 	}
 	defer lock.Unlock()
+	call.mark("lock")
 
 	member := membership.Member{
 		ContainerID: args.ContainerID,
@@ -97,7 +100,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		IPs:         podIPs(prev),
 		AttachMode:  string(mode),
 	}
-	if err := add(conf, lock, member, set, nodes); err != nil {
+	if err := add(conf, call, lock, member, set, nodes); err != nil {
 		// Leave nothing behind: this member's attachments and record,
 		// and the identifier's pins if no other member uses them.
 		if cerr := removeMember(lock, member); cerr != nil {
@@ -116,7 +119,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 // add does ADD's work under the identifier's lock. Its order is what makes
 // a kill at any instant repairable (see package membership): pins, then the
 // member's record, then the attachments.
-func add(conf *PluginConf, lock *membership.Lock, m membership.Member, set policy.Set, nodes []netip.Addr) error {
+func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Member, set policy.Set, nodes []netip.Addr) error {
 	g, err := bpf.OpenGlobal(conf.PinRoot)
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
@@ -125,16 +128,19 @@ func add(conf *PluginConf, lock *membership.Lock, m membership.Member, set polic
 	if err := g.SetNodeAddrs(nodes); err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
+	call.mark("open-global")
 	ident, err := bpf.OpenIdentifier(g, conf.PinRoot, lock.ID)
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	defer ident.Close()
+	call.mark("open-identifier")
 	// The policy is in the maps before the programs are attached:
 	// enforcement starts with the pod's first packet.
 	if err := ident.ApplyPolicy(set); err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
+	call.mark("apply-policy")
 	if err := lock.Put(m); err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -153,6 +159,7 @@ func add(conf *PluginConf, lock *membership.Lock, m membership.Member, set polic
 			return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, err), "")
 		}
 	}
+	call.mark("attach")
 	return nil
 }
 

@@ -1,0 +1,30 @@
+package bpf
+
+import "testing"
+
+// The layout table used to check pins without parsing the object file must
+// describe exactly the maps of the object file.
+func TestLayoutMatchesObject(t *testing.T) {
+	cs, err := collectionSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, ms := range cs.Maps {
+		if ms.Name == ".rodata" || ms.Name == "" || name == ".rodata" {
+			continue
+		}
+		want, ok := layouts[name]
+		if !ok {
+			t.Errorf("map %s of the object has no layout entry", name)
+			continue
+		}
+		if ms.Type != want.typ || ms.KeySize != want.keySize || ms.ValueSize != want.valSize {
+			t.Errorf("map %s: object says %s %d/%d, layout table %s %d/%d", name, ms.Type, ms.KeySize, ms.ValueSize, want.typ, want.keySize, want.valSize)
+		}
+	}
+	for name := range layouts {
+		if _, ok := cs.Maps[name]; !ok {
+			t.Errorf("layout entry %s names no map of the object", name)
+		}
+	}
+}
