@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build generate test bench demo lint check-generated clean
+.PHONY: all build generate test test-kernels bench demo lint check-generated clean
 
 all: build
 
@@ -22,6 +22,12 @@ test:
 	$(GO) vet $(PKGS)
 	$(GO) test -count=1 $(PKGS)
 	$(GO) test -count=1 -race ./pkg/...
+
+# The kernel-facing tests (./bpf, ./pkg/attach) in qemu guests on Debian's
+# 5.10, 6.1 and 6.12 cloud kernels (hack/kernels/versions); fails if any
+# kernel fails. Installs qemu; downloads are cached in hack/kernels/.cache.
+test-kernels:
+	hack/kernels/run.sh
 
 bench:
 	hack/bench.sh

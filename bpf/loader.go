@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/features"
+	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/podid"
@@ -62,6 +63,16 @@ var (
 	specErr  error
 	spec     *ebpf.CollectionSpec
 )
+
+var memlockOnce sync.Once
+
+// liftMemlock removes RLIMIT_MEMLOCK for this process where the kernel still
+// charges BPF maps to it (before 5.11; 5.10's default of 64 KiB does not
+// hold a conntrack map). Later kernels account BPF memory to the cgroup and
+// it does nothing there.
+func liftMemlock() {
+	memlockOnce.Do(func() { _ = rlimit.RemoveMemlock() })
+}
 
 // collectionSpec parses the embedded object once per process (a few
 // milliseconds, so only paths that create something call it); callers get a
@@ -143,6 +154,7 @@ func openPinnedMap(name, dir string) (*ebpf.Map, error) {
 	if err != nil {
 		return nil, err
 	}
+	liftMemlock()
 	ms := cs.Maps[name]
 	ms.Pinning = ebpf.PinByName
 	for attempt := 0; ; attempt++ {
@@ -336,6 +348,7 @@ func (i *Identifier) loadPrograms(g *Global) error {
 	if err != nil {
 		return err
 	}
+	liftMemlock()
 	if err := setConstants(cs); err != nil {
 		return err
 	}
@@ -475,6 +488,7 @@ func CheckLoad() error {
 	if err != nil {
 		return err
 	}
+	liftMemlock()
 	if err := setConstants(cs); err != nil {
 		return err
 	}

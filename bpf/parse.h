@@ -131,6 +131,19 @@ static __always_inline int parse_ipv4(void *data, void *end, struct flow *f)
 	return parse_l4(l4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
 }
 
+// bounded returns an offset already checked to be at most PULL_LEN, masked
+// so that the verifier sees the bound on the very register added to the
+// packet pointer: the verifiers of 5.10 and 6.1 (not 6.12) lose a bound
+// learnt from a comparison across a 32-bit register copy, which clang is
+// free to make between the check and the addition.
+static __always_inline __u32 bounded(__u32 off)
+{
+	// Hide the range from clang, which would otherwise drop the mask as
+	// redundant after the caller's check.
+	asm volatile("" : "+r"(off));
+	return off & (2 * PULL_LEN - 1);
+}
+
 // is_zero is 1 when x (below 2^31) is 0, else 0, without a branch.
 static __always_inline __u32 is_zero(__u32 x)
 {
@@ -162,10 +175,9 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	// skips the walk.
 	int i;
 	for (i = 0; i < MAX_EXT_HDRS && is_ext_hdr(next); i++) {
-		// Bounding off keeps the verifier's view of the pointer finite.
 		if (off > PULL_LEN)
 			return PARSE_MALFORMED;
-		struct ext_hdr *h = data + off;
+		struct ext_hdr *h = data + bounded(off);
 		if ((void *)(h + 1) > end)
 			return PARSE_MALFORMED;
 		__u32 is_frag = is_zero(next ^ IPPROTO_FRAGMENT);
@@ -189,7 +201,7 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	if (off > PULL_LEN)
 		return PARSE_MALFORMED;
 
-	void *l4 = data + off;
+	void *l4 = data + bounded(off);
 	if (l4 > end)
 		return PARSE_MALFORMED;
 	f->proto = next;

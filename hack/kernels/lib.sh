@@ -14,6 +14,7 @@
 # shellcheck shell=bash
 
 KERNELS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck disable=SC2034 # used by the scripts that source this
 KERNELS_TOP=$(cd "$KERNELS_DIR/../.." && pwd)
 KERNELS_VERSIONS=${KERNELS_VERSIONS:-$KERNELS_DIR/versions}
 if [ -z "${KERNELS_CACHE:-}" ]; then
@@ -74,7 +75,7 @@ ensure_host_tools() {
 # ("security": the security archive), or deb.debian.org's.
 mirror_url() {
 	local kind=$1 url
-	url=$(grep -hoE 'https?://[^ ]+' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list /etc/apt/sources.list 2>/dev/null |
+	url=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list /etc/apt/sources.list 2>/dev/null | grep -v '^[[:space:]]*#' | grep -oE 'https?://[^ ]+' |
 		sed 's:/*$::' | if [ "$kind" = security ]; then grep -E '/debian-security$'; else grep -E '/debian$'; fi | head -n1) || true
 	if [ -z "$url" ]; then
 		if [ "$kind" = security ]; then url=http://deb.debian.org/debian-security; else url=http://deb.debian.org/debian; fi
@@ -108,7 +109,7 @@ apt_setup() {
 		Dir::State::Lists "$dir/lists";
 		Dir::State::status "$dir/status";
 		Dir::Cache "$dir/cache";
-		Dir::Cache::pkgcache "";
+		Dir::Cache::pkgcache "pkgcache.bin";
 		Dir::Cache::srcpkgcache "";
 		APT::Architecture "amd64";
 		APT::Architectures { "amd64"; };
@@ -123,6 +124,13 @@ apt_setup() {
 		#clear DPkg::Pre-Invoke;
 	EOF
 	APT_OPTS=(-c "$dir/apt.conf")
+	# The indices are refreshed once per run, and at most every
+	# KERNELS_APT_MAX_AGE seconds (default 3600; 0: always).
+	local stamp=$dir/updated age
+	age=$(($(date +%s) - $(stat -c %Y "$stamp" 2>/dev/null || echo 0)))
+	if [ -z "${APT_UPDATED[$rel]:-}" ] && [ "$age" -lt "${KERNELS_APT_MAX_AGE:-3600}" ] && cmp -s "$dir/sources.list" "$dir/sources.list.used"; then
+		APT_UPDATED[$rel]=1
+	fi
 	if [ -z "${APT_UPDATED[$rel]:-}" ]; then
 		APT_UPDATED[$rel]=1
 		kmsg "apt indices of $rel ($main, $security)"
@@ -134,6 +142,9 @@ apt_setup() {
 				sed 's/^/    /' "$dir/update.log" >&2
 				kdie "apt-get update for $rel failed and there are no earlier indices (see above)"
 			fi
+		else
+			touch "$stamp"
+			cp "$dir/sources.list" "$dir/sources.list.used"
 		fi
 	fi
 }
@@ -173,17 +184,20 @@ kernel_names() {
 # resolve_kernel NAME sets K_NAME, K_PKG, K_VER (the image package and its
 # Debian version) from the versions file and the mirror's indices.
 resolve_kernel() {
-	local name rel meta series pin extra
-	read -r name rel meta series pin extra <<<"$(kernel_line "$1")"
-	[ -n "$pin" ] && [ -z "$extra" ] || kdie "$KERNELS_VERSIONS: line of $1 needs 5 fields: name release package series pin"
+	local line name rel meta series pin extra
+	line=$(kernel_line "$1") || exit 1
+	read -r name rel meta series pin extra <<<"$line"
+	if [ -z "$pin" ] || [ -n "$extra" ]; then
+		kdie "$KERNELS_VERSIONS: line of $1 needs 5 fields: name release package series pin"
+	fi
 	apt_setup "$rel"
 	K_NAME=$name
 	if [ "$pin" != - ]; then
 		K_PKG=${pin%%=*} K_VER=${pin#*=}
 		[ "$K_PKG" != "$pin" ] || kdie "$KERNELS_VERSIONS: pin of $name must be linux-image-...=VERSION or -, not $pin"
-		if ! apt-cache "${APT_OPTS[@]}" show "$K_PKG=$K_VER" >/dev/null 2>&1; then
+		if ! apt-cache "${APT_OPTS[@]}" madison "$K_PKG" 2>/dev/null | awk -v v="$K_VER" '$3 == v {f = 1} END {exit !f}'; then
 			local have newest
-			have=$(apt-cache "${APT_OPTS[@]}" madison "$K_PKG" 2>/dev/null | awk '{print $3}' | tr '\n' ' ')
+			have=$(apt-cache "${APT_OPTS[@]}" madison "$K_PKG" 2>/dev/null | awk '{print $3}' | sort -u | tr '\n' ' ')
 			newest=$(apt-cache "${APT_OPTS[@]}" depends "$meta" 2>/dev/null | awk '$1 == "Depends:" && $2 ~ /^linux-image-/ {print $2; exit}')
 			kdie "kernel $name is pinned to $K_PKG=$K_VER in $KERNELS_VERSIONS, which the $rel mirror no longer has
     versions of $K_PKG there: ${have:-none}
@@ -227,9 +241,11 @@ prepare_kernel() {
 	ensure_busybox
 	key=$(cat "$KERNELS_DIR/init" "$BUSYBOX" <(printf '%s\n' "${MODULES[@]}") | sha256sum | cut -c1-16)
 	if [ -s "$K_DIR/base.cpio" ] && [ "$(cat "$K_DIR/base.key" 2>/dev/null)" = "$key" ]; then
+		touch "$K_DIR" "$KERNELS_CACHE/debs/${K_PKG}_${K_VER//:/%3a}_amd64.deb" 2>/dev/null || true
 		return
 	fi
-	apt_setup "$(awk '{print $2}' <<<"$(kernel_line "$K_NAME")")"
+	line=$(kernel_line "$K_NAME") || exit 1
+	apt_setup "$(awk '{print $2}' <<<"$line")"
 	apt_download "$K_PKG=$K_VER"
 	kmsg "$K_NAME: unpacking $(basename "$DEB") and building its initramfs"
 	mkdir -p "$KERNELS_CACHE/kernels"
@@ -239,7 +255,9 @@ prepare_kernel() {
 	modroot=$root/lib/modules
 	[ -d "$modroot" ] || modroot=$root/usr/lib/modules
 	kver=$(ls "$modroot")
-	[ -n "$kver" ] && [ "$(wc -w <<<"$kver")" = 1 ] || kdie "$DEB: expected one kernel in lib/modules, found: $kver"
+	if [ -z "$kver" ] || [ "$(wc -w <<<"$kver")" != 1 ]; then
+		kdie "$DEB: expected one kernel in lib/modules, found: $kver"
+	fi
 	[ -f "$root/boot/vmlinuz-$kver" ] || kdie "$DEB: no boot/vmlinuz-$kver"
 	[ "$modroot" = "$root/lib/modules" ] || { mkdir -p "$root/lib" && ln -s ../usr/lib/modules "$root/lib/modules"; }
 	depmod -b "$root" "$kver"
@@ -281,6 +299,14 @@ prepare_kernel() {
 	(cd "$ir" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc -R 0:0 --quiet) >"$K_DIR/base.cpio"
 	echo "$key" >"$K_DIR/base.key"
 	rm -rf "$tmp"
+}
+
+# prune_cache removes kernel images (and what was built from them) that no
+# run has used for 30 days, such as those of superseded security updates.
+prune_cache() {
+	[ -d "$KERNELS_CACHE/kernels" ] && find "$KERNELS_CACHE/kernels" -mindepth 1 -maxdepth 1 -type d -mtime +30 -exec rm -rf {} +
+	[ -d "$KERNELS_CACHE/debs" ] && find "$KERNELS_CACHE/debs" -maxdepth 1 -name 'linux-image-*.deb' -mtime +30 -delete
+	return 0
 }
 
 # payload_cpio OUT NAME=BINARY[:ARGS]... writes the cpio of the guest's
