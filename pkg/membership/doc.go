@@ -11,7 +11,10 @@
 //
 //  1. A member's record is written (atomically) before anything is attached
 //     for it, and removed only after its attachments are gone. So every
-//     attachment podfence made is reachable from a record.
+//     attachment podfence made is reachable from a record, and a member
+//     directory without a record (a plugin killed while writing it) holds
+//     nothing attached: the container's DEL, or a GC that does not list it,
+//     removes it.
 //  2. The identifier's pins are removed only by a lock holder that sees no
 //     member; every ADD, DEL and GC of an identifier ends by removing the
 //     pins when no member is left. Pins without members (a plugin killed

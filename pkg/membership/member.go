@@ -22,16 +22,18 @@ type Member struct {
 }
 
 // Key names the member's directory: the container ID, '@', and the interface
-// name with '%' and '.' escaped (bpffs refuses '.'; container IDs cannot
-// contain '@', so keys are unique per container interface).
+// name, both with '%', '.' and '/' escaped (bpffs refuses '.', which the CNI
+// spec allows in both; container IDs cannot contain '@', so keys are unique
+// per container interface).
 func (m Member) Key() string {
 	return Key(m.ContainerID, m.IfName)
 }
 
+var keyEscaper = strings.NewReplacer("%", "%25", ".", "%2E", "/", "%2F")
+
 // Key is Member.Key for a container interface.
 func Key(containerID, ifname string) string {
-	r := strings.NewReplacer("%", "%25", ".", "%2E", "/", "%2F")
-	return containerID + "@" + r.Replace(ifname)
+	return keyEscaper.Replace(containerID) + "@" + keyEscaper.Replace(ifname)
 }
 
 // MarshalText encodes the record stored as the target of a bpffs symlink

@@ -181,6 +181,27 @@ func (l *Lock) Members() ([]Member, error) {
 	return ms, nil
 }
 
+// Incomplete returns, sorted, the keys of member directories that hold no
+// record: a plugin died while adding the member, before its record was in
+// place, so nothing was attached for it (invariant 1) and Remove may take
+// the directory. Members skips them.
+func (l *Lock) Incomplete() ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list members of %q: %w", l.ID, err)
+	}
+	var keys []string
+	for _, e := range entries {
+		if _, err := l.Member(e.Name()); errors.Is(err, ErrNotMember) {
+			keys = append(keys, e.Name())
+		}
+	}
+	return keys, nil
+}
+
 // Member reads one member's record.
 func (l *Lock) Member(key string) (Member, error) {
 	target, err := os.Readlink(filepath.Join(l.MemberDir(key), recordName))

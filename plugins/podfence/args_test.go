@@ -112,7 +112,7 @@ func TestIdentifyRejects(t *testing.T) {
 // check).
 func TestCommandsRejectBadInputEarly(t *testing.T) {
 	pinRoot := t.TempDir() + "/pins"
-	stdin := withPrev(`"pinRoot": "` + pinRoot + `"`, `"policyDir": "` + t.TempDir() + `"`)
+	stdin := withPrev(`"pinRoot": "`+pinRoot+`"`, `"policyDir": "`+t.TempDir()+`"`)
 	cmds := map[string]func(*skel.CmdArgs) error{"ADD": cmdAdd, "CHECK": cmdCheck}
 	for name, cmd := range cmds {
 		for _, c := range hostileArgs {

@@ -57,11 +57,11 @@ var knownKeys = map[string]bool{
 	"cniVersion": true, "name": true, "type": true, "capabilities": true, "ipam": true,
 	"dns": true, "prevResult": true, "cni.dev/valid-attachments": true,
 	"runtimeConfig": true, "args": true,
+	"pinRoot": true, "policyDir": true, "enforcingMode": true, "attachMode": true,
+	"logFile": true, "logLevel": true,
 	// The name an earlier draft of the spec used; libcni's GC sends it
 	// beside the current one (containernetworking/cni#1101).
 	oldValidAttachmentsKey: true,
-	"pinRoot": true, "policyDir": true, "enforcingMode": true, "attachMode": true,
-	"logFile": true, "logLevel": true,
 }
 
 const oldValidAttachmentsKey = "cni.dev/attachments"

@@ -221,6 +221,13 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 		}
 		call.action = "detached"
 	case errors.Is(err, membership.ErrNotMember):
+		// An ADD killed before the record was in place may have left
+		// the member's directory (empty, or with the record's temporary):
+		// nothing was attached for it, and nobody else removes it while
+		// other members keep the identifier.
+		if err := lock.Remove(key); err != nil {
+			return types.NewError(errState, err.Error(), "")
+		}
 		call.action = "not a member"
 	case errors.Is(err, membership.ErrCorruptRecord):
 		// The record is ours and unreadable: what it attached cannot be
@@ -395,6 +402,20 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 			return removed, 0, err
 		}
 		removed++
+	}
+	// Directories of members whose ADD was killed before their record
+	// was in place; nothing was attached for them.
+	incomplete, err := lock.Incomplete()
+	if err != nil {
+		return removed, 0, err
+	}
+	for _, key := range incomplete {
+		if valid[key] {
+			continue
+		}
+		if err := lock.Remove(key); err != nil {
+			return removed, 0, err
+		}
 	}
 	if len(ms) == removed {
 		if err := removeIfUnused(pinRoot, lock); err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -34,7 +35,7 @@ func findHostVeth(prev *current.Result, netnsPath, ifname string) (hostVeth, err
 		}
 	}
 
-	var peerIndex int
+	var podIndex, peerIndex int
 	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
 		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
@@ -49,7 +50,7 @@ func findHostVeth(prev *current.Result, netnsPath, ifname string) (hostVeth, err
 			return fmt.Errorf("interface %s in %s is a %s, not a veth", ifname, netnsPath, link.Type())
 		}
 		// IFLA_LINK of a veth is its peer's index, in the peer's namespace.
-		peerIndex = link.Attrs().ParentIndex
+		podIndex, peerIndex = link.Attrs().Index, link.Attrs().ParentIndex
 		return nil
 	})
 	if err != nil {
@@ -67,6 +68,13 @@ func findHostVeth(prev *current.Result, netnsPath, ifname string) (hostVeth, err
 			fmt.Sprintf("the peer of %s (ifindex %d) is not in this namespace: %v", ifname, peerIndex, err), "")
 	}
 	name := peer.Attrs().Name
+	// The peer may be in another namespace, and the index here another
+	// interface's: only the veth whose own peer is the pod's end is it.
+	if peer.Type() != "veth" || peer.Attrs().ParentIndex != podIndex {
+		return hostVeth{}, types.NewError(types.ErrInvalidNetNS,
+			fmt.Sprintf("the peer of %s (ifindex %d) is not in this namespace: interface %d here is %s, a %s whose peer is not %s",
+				ifname, peerIndex, peerIndex, name, peer.Type(), ifname), "")
+	}
 	if len(reported) > 0 && !slices.Contains(reported, name) {
 		return hostVeth{}, types.NewError(types.ErrInvalidNetNS,
 			fmt.Sprintf("the peer of %s is %s, but the primary plugin reported host interfaces %s", ifname, name, strings.Join(reported, ", ")), "")
@@ -109,7 +117,16 @@ func nodeAddrs() ([]netip.Addr, error) {
 		return nil, fmt.Errorf("netlink: %w", err)
 	}
 	defer h.Close()
-	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	// A dump that spans several messages is flagged as interrupted when an
+	// address changes meanwhile, which is routine on a node where pods'
+	// veths come and go: dump again rather than fail the ADD.
+	var addrs []netlink.Addr
+	for attempt := 0; ; attempt++ {
+		addrs, err = h.AddrList(nil, netlink.FAMILY_ALL)
+		if !errors.Is(err, netlink.ErrDumpInterrupted) || attempt == 9 {
+			break
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("list node addresses: %w", err)
 	}

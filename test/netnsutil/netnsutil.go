@@ -239,3 +239,75 @@ func Connects(tb testing.TB, n ns.NetNS, dst netip.AddrPort, timeout time.Durati
 	}
 	return false
 }
+
+// Veth is a veth made by AddVeth: its host end in the node namespace and
+// its pod end, eth0, in the pod namespace.
+type Veth struct {
+	HostName  string
+	HostIndex int
+	HostMAC   net.HardwareAddr
+	PodMAC    net.HardwareAddr
+}
+
+// AddVeth joins an existing pod namespace to an existing node namespace
+// with a veth named hostName on the node and eth0 in the pod, gives the
+// host end hostAddr and eth0 podAddr (either may be the zero Prefix: no
+// address) and brings both ends up. The veth goes with the namespaces.
+func AddVeth(tb testing.TB, node, pod ns.NetNS, hostName string, hostAddr, podAddr netip.Prefix) Veth {
+	tb.Helper()
+	v := Veth{HostName: hostName}
+	Do(tb, node, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			veth := &netlink.Veth{
+				LinkAttrs:     netlink.LinkAttrs{Name: hostName},
+				PeerName:      "eth0",
+				PeerNamespace: netlink.NsFd(int(pod.Fd())),
+			}
+			if err := h.LinkAdd(veth); err != nil {
+				return fmt.Errorf("add veth %s: %w", hostName, err)
+			}
+			l, err := setUp(h, hostName, validOnly(hostAddr)...)
+			if err != nil {
+				return err
+			}
+			v.HostIndex, v.HostMAC = l.Attrs().Index, l.Attrs().HardwareAddr
+			return nil
+		})
+	})
+	Do(tb, pod, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			l, err := setUp(h, "eth0", validOnly(podAddr)...)
+			if err != nil {
+				return err
+			}
+			v.PodMAC = l.Attrs().HardwareAddr
+			return nil
+		})
+	})
+	return v
+}
+
+func validOnly(p netip.Prefix) []netip.Prefix {
+	if !p.IsValid() {
+		return nil
+	}
+	return []netip.Prefix{p}
+}
+
+// DeleteLink deletes the interface name in n; deleting one end of a veth
+// deletes both.
+func DeleteLink(tb testing.TB, n ns.NetNS, name string) {
+	tb.Helper()
+	Do(tb, n, func() error {
+		return withHandle(func(h *netlink.Handle) error {
+			l, err := h.LinkByName(name)
+			if err != nil {
+				return fmt.Errorf("find %s: %w", name, err)
+			}
+			if err := h.LinkDel(l); err != nil {
+				return fmt.Errorf("delete %s: %w", name, err)
+			}
+			return nil
+		})
+	})
+}
