@@ -24,3 +24,25 @@ echo "$out" | awk '/^BenchmarkDatapath/ {
 	}
 	printf "%-28s %10s %9s %8s %12s\n", name, ns, x, t, ins
 }'
+
+# The CNI plugin: latency of the podfence binary's own ADD and DEL (a
+# prevResult on stdin, as libcni invokes it; no primary plugin runs), and 64
+# concurrent ADDs of one identifier. Targets from the plugin issue.
+echo
+echo "plugin (BenchmarkPlugin, ${PLUGIN_CALLS:-200} calls per case)"
+go test -c -o /tmp/podfence-e2e.test ./test/e2e/
+out=$(cd test/e2e && /tmp/podfence-e2e.test -test.run '^$' -test.bench 'BenchmarkPlugin' -test.benchtime 1x -plugin.calls "${PLUGIN_CALLS:-200}")
+rm -f /tmp/podfence-e2e.test
+echo "$out" | awk '/^BenchmarkPlugin/ {
+	name=$1; sub(/^BenchmarkPlugin\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) {
+		if ($(i+1) ~ /-ms$|failed/) {
+			target = "-"
+			if (name == "first-replica" && $(i+1) == "add-p50-ms") target = "<= 25"
+			if (name == "later-replica" && $(i+1) == "add-p50-ms") target = "<= 5"
+			if (name == "later-replica" && $(i+1) == "del-p50-ms") target = "<= 5"
+			if ($(i+1) == "failed") target = "0"
+			printf "  %-22s %-18s %9s   target %s\n", name, $(i+1), $i, target
+		}
+	}
+}'
