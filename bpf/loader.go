@@ -87,15 +87,21 @@ func collectionSpec() (*ebpf.CollectionSpec, error) {
 	return spec.Copy(), nil
 }
 
-// setConstants sets the load-time constants for this kernel.
-func setConstants(cs *ebpf.CollectionSpec) error {
+// loadableSpec is the object's spec with its load-time constants set for
+// this kernel, in a process allowed to create what it describes.
+func loadableSpec() (*ebpf.CollectionSpec, error) {
+	cs, err := collectionSpec()
+	if err != nil {
+		return nil, err
+	}
+	liftMemlock()
 	// bpf_ktime_get_coarse_ns needs Linux >= 5.11; see podfence.c.
 	if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
 		if err := cs.Variables["coarse_clock"].Set(uint32(1)); err != nil {
-			return fmt.Errorf("set coarse_clock: %w", err)
+			return nil, fmt.Errorf("set coarse_clock: %w", err)
 		}
 	}
-	return nil
+	return cs, nil
 }
 
 // Global holds the node-wide maps: conntrack (v4, v6), the node's own
@@ -344,12 +350,8 @@ func isConstants(id ebpf.MapID) bool {
 }
 
 func (i *Identifier) loadPrograms(g *Global) error {
-	cs, err := collectionSpec()
+	cs, err := loadableSpec()
 	if err != nil {
-		return err
-	}
-	liftMemlock()
-	if err := setConstants(cs); err != nil {
 		return err
 	}
 	repl := g.replacements()
@@ -484,12 +486,8 @@ func CheckPinRoot(pinRoot string) error {
 // CheckLoad loads both programs, with throwaway single-entry maps, and
 // unloads them: the kernel accepts this datapath.
 func CheckLoad() error {
-	cs, err := collectionSpec()
+	cs, err := loadableSpec()
 	if err != nil {
-		return err
-	}
-	liftMemlock()
-	if err := setConstants(cs); err != nil {
 		return err
 	}
 	for _, ms := range cs.Maps {
