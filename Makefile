@@ -22,6 +22,7 @@ test:
 	$(GO) vet $(PKGS)
 	$(GO) test -count=1 $(PKGS)
 	$(GO) test -count=1 -race ./pkg/...
+	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
 
 # The kernel-facing tests (./bpf, ./pkg/attach) in qemu guests on Debian's
 # 5.10, 6.1 and 6.12 cloud kernels (hack/kernels/versions); fails if any
