@@ -256,3 +256,26 @@ func TestApplyPolicyErrors(t *testing.T) {
 		t.Error("a refused policy bumped the generation")
 	}
 }
+
+func TestApplyPolicyBumpsGenerationOnlyOnChange(t *testing.T) {
+	h := newHarness(t)
+	web80 := isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil)
+	steps := []struct {
+		set  policy.Set
+		bump bool
+	}{
+		{web80, true},
+		{web80, false}, // another replica's ADD: same policy
+		{isolate(rules(rule("10.1.0.0/16", tcpPort(81))), nil), true},
+		{isolate(rules(rule("10.1.0.0/16", tcpPort(81))), rules()), true}, // isolation only
+		{isolate(rules(rule("10.1.0.0/16", tcpPort(81))), rules()), false},
+	}
+	for i, s := range steps {
+		before, _ := h.id.Generation()
+		h.apply(t, s.set)
+		after, _ := h.id.Generation()
+		if (after != before) != s.bump {
+			t.Errorf("step %d: generation %d -> %d, want a bump: %v", i, before, after, s.bump)
+		}
+	}
+}

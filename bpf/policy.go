@@ -54,11 +54,14 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		// hides a rule from any other address.
 		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
 	}
+	changed := false
 	for d := range desired {
 		for f := range desired[d] {
-			if err := syncTrie(i.Policy[d][f], desired[d][f]); err != nil {
+			c, err := syncTrie(i.Policy[d][f], desired[d][f])
+			if err != nil {
 				return fmt.Errorf("write %s policy of %q: %w", policy.Direction(d), i.ID, err)
 			}
+			changed = changed || c
 		}
 	}
 
@@ -66,19 +69,25 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return fmt.Errorf("read state of %q: %w", i.ID, err)
 	}
-	st.Generation++
-	st.Mode = stateModeStandard
+	want := st
+	want.Mode = stateModeStandard
 	if set.Mode == policy.ModeStrict {
-		st.Mode = stateModeStrict
+		want.Mode = stateModeStrict
 	}
-	st.Isolated = 0
+	want.Isolated = 0
 	if set.Ingress.Isolated {
-		st.Isolated |= 1 << policy.Ingress
+		want.Isolated |= 1 << policy.Ingress
 	}
 	if set.Egress.Isolated {
-		st.Isolated |= 1 << policy.Egress
+		want.Isolated |= 1 << policy.Egress
 	}
-	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
+	// Every replica's ADD applies the identifier's policy; only a change
+	// makes the tracked flows of all replicas pay for a re-check.
+	if !changed && want == st {
+		return nil
+	}
+	want.Generation++
+	if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("write state of %q: %w", i.ID, err)
 	}
 	return nil
@@ -120,31 +129,38 @@ func lpmKey(p netip.Prefix) []byte {
 	return key
 }
 
-// syncTrie makes m hold exactly want: new and changed entries are written
-// first, stale ones deleted after, so an address never loses an allowance it
-// keeps under the new policy.
-func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) error {
-	for k, v := range want {
-		if err := m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("update entry: %w", err)
-		}
-	}
-	var stale [][]byte
+// syncTrie makes m hold exactly want and reports whether anything changed.
+// New and changed entries are written first, stale ones deleted after, so
+// an address never loses an allowance it keeps under the new policy.
+func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
+	have := map[string]podfencePolicyValue{}
 	key := make([]byte, m.KeySize())
 	var value podfencePolicyValue
 	it := m.Iterate()
 	for it.Next(&key, &value) {
-		if _, ok := want[string(key)]; !ok {
-			stale = append(stale, append([]byte(nil), key...))
-		}
+		have[string(key)] = value
 	}
 	if err := it.Err(); err != nil {
-		return fmt.Errorf("iterate entries: %w", err)
+		return false, fmt.Errorf("iterate entries: %w", err)
 	}
-	for _, k := range stale {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("delete entry: %w", err)
+	changed := false
+	for k, v := range want {
+		if old, ok := have[k]; ok && old == *v {
+			continue
 		}
+		if err := m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
+			return changed, fmt.Errorf("update entry: %w", err)
+		}
+		changed = true
 	}
-	return nil
+	for k := range have {
+		if _, ok := want[k]; ok {
+			continue
+		}
+		if err := m.Delete([]byte(k)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return changed, fmt.Errorf("delete entry: %w", err)
+		}
+		changed = true
+	}
+	return changed, nil
 }
