@@ -7,11 +7,12 @@ PKGS := ./...
 
 all: build
 
-# bin/podfence (the CNI plugin); bin/podfence-sweeper arrives with the
-# sweeper issue.
+# bin/podfence (the CNI plugin), static: a runtime execs it for every pod,
+# and a dynamically linked binary pays the loader on each call. The sweeper
+# (bin/podfence-sweeper) arrives with its own issue.
 build:
 	$(GO) build $(PKGS)
-	$(GO) build -o $(BIN)/podfence ./plugins/podfence
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/podfence ./plugins/podfence
 
 # Rebuild the bpf2go output from bpf/*.c (needs clang); the result is committed.
 generate:

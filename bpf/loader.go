@@ -13,7 +13,6 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/features"
-	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/podid"
@@ -66,12 +65,15 @@ var (
 
 var memlockOnce sync.Once
 
-// liftMemlock removes RLIMIT_MEMLOCK for this process where the kernel still
-// charges BPF maps to it (before 5.11; 5.10's default of 64 KiB does not
-// hold a conntrack map). Later kernels account BPF memory to the cgroup and
-// it does nothing there.
+// liftMemlock removes RLIMIT_MEMLOCK for this process: before 5.11 the
+// kernel charges BPF maps to it, and 5.10's default of 64 KiB does not hold
+// a conntrack map. Later kernels account BPF memory to the cgroup and ignore
+// it. (cilium/ebpf's rlimit package does the same after probing the kernel
+// in its init, which every CNI call would pay for.)
 func liftMemlock() {
-	memlockOnce.Do(func() { _ = rlimit.RemoveMemlock() })
+	memlockOnce.Do(func() {
+		_ = unix.Setrlimit(unix.RLIMIT_MEMLOCK, &unix.Rlimit{Cur: unix.RLIM_INFINITY, Max: unix.RLIM_INFINITY})
+	})
 }
 
 // collectionSpec parses the embedded object once per process (a few

@@ -43,7 +43,9 @@ func TestMain(m *testing.M) {
 		"github.com/containernetworking/plugins/plugins/main/ptp",
 		"github.com/containernetworking/plugins/plugins/ipam/host-local",
 	} {
-		out, err := exec.Command("go", "build", "-o", filepath.Join(dir, filepath.Base(pkg)), pkg).CombinedOutput()
+		build := exec.Command("go", "build", "-o", filepath.Join(dir, filepath.Base(pkg)), pkg)
+		build.Env = append(os.Environ(), "CGO_ENABLED=0") // static, as make build makes it
+		out, err := build.CombinedOutput()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "build %s: %v\n%s", pkg, err, out)
 			os.RemoveAll(dir)
