@@ -79,6 +79,8 @@ spec:
 // invoke runs one podfence command for the container on veth i and returns
 // how long the binary took.
 func (bn *benchNode) invoke(cmd, container, podName string, i int, withPrev bool) (time.Duration, error) {
+	// PODFENCE_BENCH_LOG names a log file for the plugin's per-call lines,
+	// whose phase timings show where a call spends its time.
 	conf := map[string]any{
 		"cniVersion": "1.0.0", "name": "bench", "type": "podfence",
 		"pinRoot": bn.pinRoot, "policyDir": bn.policy, "logFile": os.Getenv("PODFENCE_BENCH_LOG"),
