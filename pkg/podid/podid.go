@@ -73,11 +73,13 @@ func FromContainerID(containerID string) (ID, error) {
 		return "", fmt.Errorf("container id %q: must be 1 to 253 characters: %w", containerID, ErrInvalid)
 	}
 	for _, c := range containerID {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
-			return "", fmt.Errorf("container id %q: character %q not allowed: %w", containerID, c, ErrInvalid)
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return "", fmt.Errorf("container id %q: character %q not allowed (the CNI spec allows letters, digits, '-', '_' and '.'): %w", containerID, c, ErrInvalid)
 		}
 	}
-	return build(containerPrefix+containerID, ""), nil
+	// '_' is allowed in container IDs, so '.' (refused by bpffs) becomes
+	// '%', which is not.
+	return build(containerPrefix+strings.ReplaceAll(containerID, ".", "%"), ""), nil
 }
 
 // build joins name and suffix, mapping '.' (refused by bpffs) to '_' (absent

@@ -76,7 +76,12 @@ func TestFromContainerID(t *testing.T) {
 	if err != nil || id != "_ctr@0123abcd" || !Valid(string(id)) {
 		t.Errorf("got %q, %v", id, err)
 	}
-	for _, bad := range []string{"", "../x", "a/b", "a.b", strings.Repeat("a", 254)} {
+	a, errA := FromContainerID("ctr.1")
+	b, errB := FromContainerID("ctr_1")
+	if errA != nil || errB != nil || a == b || !Valid(string(a)) {
+		t.Errorf("dotted container id: %q (%v) vs %q (%v)", a, errA, b, errB)
+	}
+	for _, bad := range []string{"", "../x", "a/b", "a%b", "a@b", strings.Repeat("a", 254)} {
 		if _, err := FromContainerID(bad); !errors.Is(err, ErrInvalid) {
 			t.Errorf("FromContainerID(%q): got %v, want ErrInvalid", bad, err)
 		}
