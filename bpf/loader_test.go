@@ -34,13 +34,20 @@ func mapID(t *testing.T, m *ebpf.Map) ebpf.MapID {
 	return id
 }
 
-func TestOpenIdentifierReusesPins(t *testing.T) {
+// openGlobal opens the global maps in a fresh pin root, closed at the end.
+func openGlobal(t *testing.T) (string, *Global) {
+	t.Helper()
 	root := kernel.PinRoot(t)
 	g, err := OpenGlobal(root)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer g.Close()
+	t.Cleanup(func() { g.Close() })
+	return root, g
+}
+
+func TestOpenIdentifierReusesPins(t *testing.T) {
+	root, g := openGlobal(t)
 
 	first, err := OpenIdentifier(g, root, "web-7f65cc6544@default")
 	if err != nil {
@@ -89,12 +96,7 @@ func TestOpenIdentifierReusesPins(t *testing.T) {
 }
 
 func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
-	root := kernel.PinRoot(t)
-	g, err := OpenGlobal(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	root, g := openGlobal(t)
 	id := podid.ID("web@default")
 	first, err := OpenIdentifier(g, root, id)
 	if err != nil {
@@ -118,12 +120,7 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 }
 
 func TestIncompatiblePinsAreRefused(t *testing.T) {
-	root := kernel.PinRoot(t)
-	g, err := OpenGlobal(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	root, g := openGlobal(t)
 	id := podid.ID("web@default")
 	dir := IdentifierDir(root, id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -210,12 +207,7 @@ func TestGlobalCreationRace(t *testing.T) {
 }
 
 func TestRemoveIdentifier(t *testing.T) {
-	root := kernel.PinRoot(t)
-	g, err := OpenGlobal(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
+	root, g := openGlobal(t)
 	id, err := OpenIdentifier(g, root, "web@default")
 	if err != nil {
 		t.Fatal(err)
