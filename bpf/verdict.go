@@ -2,9 +2,6 @@ package bpf
 
 import (
 	"fmt"
-	"net/netip"
-
-	"github.com/cilium/ebpf"
 )
 
 // Verdicts the programs return (TC_ACT_UNSPEC, which TCX reads as
@@ -71,52 +68,4 @@ func (i *Identifier) ReadCounters() (Counters, error) {
 		}
 	}
 	return c, nil
-}
-
-// NodeAddresses returns the node's own addresses as SetNodeAddrs recorded them.
-func (g *Global) NodeAddresses() ([]netip.Addr, error) {
-	var addrs []netip.Addr
-	var k [16]byte
-	var v uint8
-	it := g.NodeAddrs.Iterate()
-	for it.Next(&k, &v) {
-		addrs = append(addrs, netip.AddrFrom16(k).Unmap())
-	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("list node addresses: %w", err)
-	}
-	return addrs, nil
-}
-
-// SetNodeAddrs replaces the set of the node's own addresses, from which
-// traffic to pods is always allowed (kubelet probes). Identifiers pick the
-// change up at their next ApplyPolicy.
-func (g *Global) SetNodeAddrs(addrs []netip.Addr) error {
-	want := make(map[[16]byte]bool, len(addrs))
-	for _, a := range addrs {
-		want[a.As16()] = true
-	}
-	for k := range want {
-		if err := g.NodeAddrs.Update(k, uint8(1), ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("add node address %s: %w", netip.AddrFrom16(k).Unmap(), err)
-		}
-	}
-	var k [16]byte
-	var v uint8
-	var stale [][16]byte
-	it := g.NodeAddrs.Iterate()
-	for it.Next(&k, &v) {
-		if !want[k] {
-			stale = append(stale, k)
-		}
-	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("list node addresses: %w", err)
-	}
-	for _, k := range stale {
-		if err := g.NodeAddrs.Delete(k); err != nil {
-			return fmt.Errorf("remove node address %s: %w", netip.AddrFrom16(k).Unmap(), err)
-		}
-	}
-	return nil
 }
