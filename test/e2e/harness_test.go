@@ -60,7 +60,7 @@ func TestMain(m *testing.M) {
 // cluster is one node: a network namespace playing the host, a pin root of
 // its own, a policy directory, and a conflist chaining ptp and podfence.
 type cluster struct {
-	t          *testing.T
+	t          testing.TB
 	node       ns.NetNS
 	pinRoot    string
 	policyDir  string
@@ -73,7 +73,7 @@ type cluster struct {
 
 var podSeq atomic.Int64
 
-func newCluster(t *testing.T, attachMode string) *cluster {
+func newCluster(t testing.TB, attachMode string) *cluster {
 	t.Helper()
 	kernel.RequireRoot(t)
 	tmp := t.TempDir()
