@@ -248,14 +248,15 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 // removeMember detaches a member's programs and deletes its record. Gone
 // already (veth, links, record) is fine.
 func removeMember(lock *membership.Lock, m membership.Member) error {
+	// The legacy filter is found by ifindex, which a new veth may have
+	// taken since: detach it only from the veth the record names.
+	ifindex := m.HostIfindex
+	if !vethStillThere(m) {
+		ifindex = 0
+	}
 	var errs []error
 	for _, h := range hooks(lock, m) {
-		o := attach.Options{Hook: h.hook, LinkPin: h.linkPin, Ifindex: m.HostIfindex}
-		// The legacy filter is found by ifindex, which a new veth may have
-		// taken since: detach it only from the veth the record names.
-		if !vethStillThere(m) {
-			o.Ifindex = 0
-		}
+		o := attach.Options{Hook: h.hook, LinkPin: h.linkPin, Ifindex: ifindex}
 		if err := detach(o); err != nil {
 			errs = append(errs, err)
 		}
