@@ -157,25 +157,12 @@ func (l *Lock) MemberDir(key string) string {
 // cannot be read is returned as an error naming it, never skipped: callers
 // must not remove the pins of an identifier whose members they cannot see.
 func (l *Lock) Members() ([]Member, error) {
-	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+	ms, _, unreadable, err := l.scan()
+	if err == nil {
+		err = unreadable
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list members of %q: %w", l.ID, err)
-	}
-	var ms []Member
-	for _, e := range entries {
-		m, err := l.Member(e.Name())
-		if errors.Is(err, ErrNotMember) {
-			// A directory without a record: a plugin died while adding
-			// the member, before writing it, so nothing was attached.
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		ms = append(ms, m)
+		return nil, err
 	}
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Key() < ms[j].Key() })
 	return ms, nil
@@ -186,20 +173,33 @@ func (l *Lock) Members() ([]Member, error) {
 // place, so nothing was attached for it (invariant 1) and Remove may take
 // the directory. Members skips them.
 func (l *Lock) Incomplete() ([]string, error) {
+	_, keys, _, err := l.scan() // an unreadable record is a member's, not an incomplete one
+	return keys, err
+}
+
+// scan reads every member directory: the records, the keys of directories
+// without one, and the first record that could not be read; err is about
+// listing the directory itself.
+func (l *Lock) scan() (ms []Member, incomplete []string, unreadable, err error) {
 	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+		return nil, nil, nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list members of %q: %w", l.ID, err)
+		return nil, nil, nil, fmt.Errorf("list members of %q: %w", l.ID, err)
 	}
-	var keys []string
 	for _, e := range entries {
-		if _, err := l.Member(e.Name()); errors.Is(err, ErrNotMember) {
-			keys = append(keys, e.Name())
+		m, err := l.Member(e.Name())
+		switch {
+		case err == nil:
+			ms = append(ms, m)
+		case errors.Is(err, ErrNotMember):
+			incomplete = append(incomplete, e.Name())
+		case unreadable == nil:
+			unreadable = err
 		}
 	}
-	return keys, nil
+	return ms, incomplete, unreadable, nil
 }
 
 // Member reads one member's record.
