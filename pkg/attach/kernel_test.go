@@ -39,7 +39,7 @@ const (
 var modes = []Mode{ModeTCX, ModeTC}
 
 // requireMode skips a test of mode m on a kernel that cannot do it.
-func requireMode(t *testing.T, m Mode) {
+func requireMode(t testing.TB, m Mode) {
 	t.Helper()
 	kernel.RequireRoot(t)
 	if m != ModeTCX {

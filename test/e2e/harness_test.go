@@ -264,7 +264,7 @@ func allowFrom(selected []string, port uint16, clients ...*pod) string {
 }
 
 // attachModes are the modes this kernel can run: tc always, tcx from 6.6.
-func attachModes(t *testing.T) []string {
+func attachModes(t testing.TB) []string {
 	modes := []string{"tc"}
 	if attach.TCXSupported() == nil {
 		modes = append([]string{"tcx"}, modes...)

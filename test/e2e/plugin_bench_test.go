@@ -24,13 +24,23 @@ func percentiles(b *testing.B, name string, d []time.Duration) {
 // with a prevResult as libcni invokes it (no primary plugin runs; the
 // sandboxes are the race test's slots): for the first replica of an
 // identifier (programs loaded, verified and pinned), for later replicas
-// (pins reused), and 64 concurrent ADDs of one identifier. Each case makes
-// -plugin.calls measured calls whatever b.N is; run it with -benchtime=1x
-// (hack/bench.sh does). The plugin's log in the cluster's temporary
-// directory has each call's phase timings.
+// (pins reused), and 64 concurrent ADDs of one identifier; in each attach
+// mode the kernel has (tcx is what auto picks from Linux 6.6). Each case
+// makes -plugin.calls measured calls whatever b.N is; run it with
+// -benchtime=1x (hack/bench.sh does). The plugin's log in the cluster's
+// temporary directory has each call's phase timings.
+//
+// In tcx mode every attach and detach waits for an RCU grace period in the
+// kernel (see BenchmarkAttach in pkg/attach), two per ADD and two per DEL.
 func BenchmarkPlugin(b *testing.B) {
 	kernel.RequireRoot(b)
-	c := newCluster(b, "auto")
+	for _, mode := range attachModes(b) {
+		b.Run(mode, func(b *testing.B) { benchPlugin(b, mode) })
+	}
+}
+
+func benchPlugin(b *testing.B, mode string) {
+	c := newCluster(b, mode)
 	c.writePolicy("web", selectPolicy("web-7f65cc6544-9j58r"))
 	slots := c.newSlots(64)
 	call := func(cmd, container, pod string, i int) time.Duration {
