@@ -8,26 +8,38 @@ import (
 )
 
 // mapLayout is what a pinned map must look like for this datapath to use
-// it: the kernel map type and the sizes of its key and value, which the Go
-// types bpf2go generated from types.h also have. TestLayoutMatchesObject
-// keeps this table and podfence.c in agreement.
+// it: the kernel map type, the sizes of its key and value, which the Go
+// types bpf2go generated from types.h also have, and its capacity.
+// TestLayoutMatchesObject keeps this table and podfence.c in agreement;
+// the counters' capacity also ties NumReasons to REASON_MAX.
 type mapLayout struct {
 	typ              ebpf.MapType
 	keySize, valSize uint32
+	maxEntries       uint32
 }
 
+var (
+	ctV4Size     = uint32(unsafe.Sizeof(podfenceCtKeyV4{}))
+	ctV6Size     = uint32(unsafe.Sizeof(podfenceCtKeyV6{}))
+	ctValueSize  = uint32(unsafe.Sizeof(podfenceCtValue{}))
+	lpmV4Size    = uint32(unsafe.Sizeof(podfenceLpmKeyV4{}))
+	lpmV6Size    = uint32(unsafe.Sizeof(podfenceLpmKeyV6{}))
+	policyVSize  = uint32(unsafe.Sizeof(podfencePolicyValue{}))
+	trieCapacity = uint32(16384)
+)
+
 var layouts = map[string]mapLayout{
-	mapCTv4:        {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceCtKeyV4{})), uint32(unsafe.Sizeof(podfenceCtValue{}))},
-	mapCTv6:        {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceCtKeyV6{})), uint32(unsafe.Sizeof(podfenceCtValue{}))},
-	mapNodeAddrs:   {ebpf.Hash, 16, 1},
-	mapDenyEvents:  {ebpf.RingBuf, 0, 0},
-	mapEventBudget: {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{}))},
-	mapState:       {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{}))},
-	mapCounters:    {ebpf.PerCPUArray, 4, 8},
-	"pol_in_v4":    {ebpf.LPMTrie, uint32(unsafe.Sizeof(podfenceLpmKeyV4{})), uint32(unsafe.Sizeof(podfencePolicyValue{}))},
-	"pol_in_v6":    {ebpf.LPMTrie, uint32(unsafe.Sizeof(podfenceLpmKeyV6{})), uint32(unsafe.Sizeof(podfencePolicyValue{}))},
-	"pol_eg_v4":    {ebpf.LPMTrie, uint32(unsafe.Sizeof(podfenceLpmKeyV4{})), uint32(unsafe.Sizeof(podfencePolicyValue{}))},
-	"pol_eg_v6":    {ebpf.LPMTrie, uint32(unsafe.Sizeof(podfenceLpmKeyV6{})), uint32(unsafe.Sizeof(podfencePolicyValue{}))},
+	mapCTv4:        {ebpf.LRUHash, ctV4Size, ctValueSize, 131072},
+	mapCTv6:        {ebpf.LRUHash, ctV6Size, ctValueSize, 65536},
+	mapNodeAddrs:   {ebpf.Hash, 16, 1, 256},
+	mapDenyEvents:  {ebpf.RingBuf, 0, 0, 256 * 1024},
+	mapEventBudget: {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1},
+	mapState:       {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1},
+	mapCounters:    {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons)},
+	"pol_in_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
+	"pol_in_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
+	"pol_eg_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
+	"pol_eg_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
 }
 
 // checkLayout compares a pinned map with the layout its name should have.
@@ -36,9 +48,9 @@ func checkLayout(name string, m *ebpf.Map) error {
 	if !ok {
 		return fmt.Errorf("no layout for map %s", name)
 	}
-	if m.Type() != want.typ || m.KeySize() != want.keySize || m.ValueSize() != want.valSize {
-		return fmt.Errorf("map is %s with %d-byte keys and %d-byte values, want %s with %d and %d",
-			m.Type(), m.KeySize(), m.ValueSize(), want.typ, want.keySize, want.valSize)
+	if m.Type() != want.typ || m.KeySize() != want.keySize || m.ValueSize() != want.valSize || m.MaxEntries() != want.maxEntries {
+		return fmt.Errorf("map is %s with %d-byte keys, %d-byte values and %d entries, want %s with %d, %d and %d",
+			m.Type(), m.KeySize(), m.ValueSize(), m.MaxEntries(), want.typ, want.keySize, want.valSize, want.maxEntries)
 	}
 	return nil
 }

@@ -18,8 +18,9 @@ func TestLayoutMatchesObject(t *testing.T) {
 			t.Errorf("map %s of the object has no layout entry", name)
 			continue
 		}
-		if ms.Type != want.typ || ms.KeySize != want.keySize || ms.ValueSize != want.valSize {
-			t.Errorf("map %s: object says %s %d/%d, layout table %s %d/%d", name, ms.Type, ms.KeySize, ms.ValueSize, want.typ, want.keySize, want.valSize)
+		if ms.Type != want.typ || ms.KeySize != want.keySize || ms.ValueSize != want.valSize || ms.MaxEntries != want.maxEntries {
+			t.Errorf("map %s: object says %s %d/%d/%d, layout table %s %d/%d/%d", name,
+				ms.Type, ms.KeySize, ms.ValueSize, ms.MaxEntries, want.typ, want.keySize, want.valSize, want.maxEntries)
 		}
 	}
 	for name := range layouts {

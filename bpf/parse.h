@@ -26,16 +26,29 @@ enum parse_result {
 	PARSE_MALFORMED,
 };
 
+union ip_addr {
+	__be32 v4;
+	__u8 v6[16];
+};
+
+// The datagram an ICMP error quotes (RFC 792, RFC 4443): the start of a
+// packet that went the other way, whose flow the error belongs to.
+struct quoted {
+	union ip_addr src, dst; // network byte order
+	__u16 sport;            // host byte order; ICMP echo identifier
+	__u16 dport;
+	__u8 proto;
+};
+
 struct flow {
-	union {
-		__be32 v4;
-		__u8 v6[16];
-	} src, dst;  // network byte order
+	union ip_addr src, dst; // network byte order
 	__u16 sport; // host byte order; ICMP echo identifier; 0 for non-first fragments
 	__u16 dport;
 	__u8 family; // 4 or 6
 	__u8 proto;
 	__u8 opens;  // a TCP SYN without ACK: the first packet of a connection
+	__u8 is_icmp_error; // an ICMP error, quoting a datagram at quote_off
+	__u16 quote_off;    // from the start of the frame; at most PULL_LEN + 8
 };
 
 struct l4_ports {
@@ -64,15 +77,93 @@ struct icmp_echo {
 	__be16 seq;
 };
 
+// The first 8 bytes of the quoted datagram's transport header, where
+// TCP, UDP and SCTP keep their ports and ICMP its echo identifier.
+struct quoted_l4 {
+	__be16 sport; // ICMP: type and code
+	__be16 dport; // ICMP: checksum
+	__be16 id;    // ICMP echo identifier
+	__be16 seq;
+};
+
 struct ext_hdr {
 	__u8 nexthdr;
 	__u8 hdrlen;
 	__be16 frag_off; // fragment header only
 };
 
-// parse_l4 reads ports at l4. A non-first fragment carries no L4 header: its
+static __always_inline int is_echo(__u8 type)
+{
+	return type == 8 || type == 0 || type == 128 || type == 129;
+}
+
+// is_icmp_error: destination unreachable (which includes "fragmentation
+// needed"), time exceeded and parameter problem for ICMP; the same and
+// "packet too big" for ICMPv6.
+static __always_inline int is_icmp_error(__u8 proto, __u8 type)
+{
+	if (proto == IPPROTO_ICMP)
+		return type == 3 || type == 11 || type == 12;
+	return type >= 1 && type <= 4;
+}
+
+// quoted_ports reads the quoted transport header's ports; it returns 0 when
+// the quoted datagram cannot belong to a tracked flow.
+static __always_inline int quoted_ports(struct quoted_l4 *q, void *end, struct quoted *qd)
+{
+	if ((void *)(q + 1) > end)
+		return 0;
+	switch (qd->proto) {
+	case IPPROTO_TCP:
+	case IPPROTO_UDP:
+	case IPPROTO_SCTP:
+		qd->sport = bpf_ntohs(q->sport);
+		qd->dport = bpf_ntohs(q->dport);
+		return 1;
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6:
+		// Errors are never sent about errors, so only echo is left.
+		if (!is_echo(*(__u8 *)q))
+			return 0;
+		qd->sport = bpf_ntohs(q->id);
+		qd->dport = qd->sport;
+		return 1;
+	}
+	return 0;
+}
+
+// parse_quoted reads the datagram an ICMP error of the given family quotes,
+// which starts at q, into qd. It returns 1 only when it found a tuple that
+// conntrack could hold: an IPv4 header (options allowed, not a later
+// fragment) or an IPv6 header followed directly by TCP, UDP, SCTP or
+// ICMPv6, and their ports. Anything else leaves the error to be judged as a
+// flow of its own.
+static __always_inline int parse_quoted(void *q, void *end, const int family, struct quoted *qd)
+{
+	if (family == 4) {
+		struct iphdr *ip = q;
+		if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
+			return 0;
+		if (ip->frag_off & bpf_htons(0x1fff))
+			return 0;
+		qd->proto = ip->protocol;
+		qd->src.v4 = ip->saddr;
+		qd->dst.v4 = ip->daddr;
+		return quoted_ports((void *)ip + ip->ihl * 4, end, qd);
+	}
+	struct ipv6hdr *ip6 = q;
+	if ((void *)(ip6 + 1) > end || ip6->version != 6)
+		return 0;
+	qd->proto = ip6->nexthdr;
+	__builtin_memcpy(qd->src.v6, &ip6->saddr, 16);
+	__builtin_memcpy(qd->dst.v6, &ip6->daddr, 16);
+	return quoted_ports((void *)(ip6 + 1), end, qd);
+}
+
+// parse_l4 reads ports at l4, which is l4_off bytes into the frame. A non-first fragment carries no L4 header: its
 // ports stay 0, so only rules without a port restriction can allow it.
-static __always_inline int parse_l4(void *l4, void *end, struct flow *f, int first_fragment)
+static __always_inline int parse_l4(void *l4, __u32 l4_off, void *end, struct flow *f,
+				    int first_fragment)
 {
 	if (!first_fragment)
 		return PARSE_OK;
@@ -103,9 +194,15 @@ static __always_inline int parse_l4(void *l4, void *end, struct flow *f, int fir
 			return PARSE_MALFORMED;
 		// Echo request/reply (ICMP 8/0, ICMPv6 128/129) keep the identifier
 		// in both ports; other messages are tracked with ports 0.
-		if (e->type == 8 || e->type == 0 || e->type == 128 || e->type == 129) {
+		if (is_echo(e->type)) {
 			f->sport = bpf_ntohs(e->id);
 			f->dport = f->sport;
+		} else if (is_icmp_error(f->proto, e->type)) {
+			// Only ICMP in IPv4 and ICMPv6 in IPv6 quote datagrams of
+			// their own family, which conntrack could hold. The quote
+			// is read only when it is needed (see is_related).
+			f->is_icmp_error = (f->proto == IPPROTO_ICMP) == (f->family == 4);
+			f->quote_off = l4_off + sizeof(*e);
 		}
 		return PARSE_OK;
 	}
@@ -128,7 +225,7 @@ static __always_inline int parse_ipv4(void *data, void *end, struct flow *f)
 	f->proto = ip->protocol;
 	f->src.v4 = ip->saddr;
 	f->dst.v4 = ip->daddr;
-	return parse_l4(l4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
+	return parse_l4(l4, sizeof(struct ethhdr) + ip->ihl * 4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
 }
 
 // bounded returns an offset already checked to be at most PULL_LEN, masked
@@ -205,7 +302,7 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	if (l4 > end)
 		return PARSE_MALFORMED;
 	f->proto = next;
-	return parse_l4(l4, end, f, 1);
+	return parse_l4(l4, off, end, f, 1);
 }
 
 // parse fills f from the packet. It may pull non-linear headers into the
@@ -219,6 +316,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 	f->sport = 0;
 	f->dport = 0;
 	f->opens = 0;
+	f->is_icmp_error = 0;
 
 	if (linear < skb->len && linear < PULL_LEN) {
 		bpf_skb_pull_data(skb, skb->len < PULL_LEN ? skb->len : PULL_LEN);

@@ -6,8 +6,9 @@
 // its host veth's TC ingress, its ingress program at TC egress.
 //
 // Per packet: conntrack hit (forward or reversed tuple) with the current
-// policy generation allows; a stale generation re-checks the flow; anything
-// else is evaluated against the policy tries and, when allowed, tracked.
+// policy generation allows; a stale generation re-checks the flow; an ICMP
+// error about a tracked flow is allowed as related; anything else is
+// evaluated against the policy tries and, when allowed, tracked.
 // Allow returns TC_ACT_UNSPEC (TCX_NEXT) so later TC programs still run.
 
 #include <linux/bpf.h>
@@ -258,21 +259,44 @@ static __always_inline void *ct_map(const int family)
 		(k).ifindex = (ifidx);                                                             \
 	} while (0)
 
-// ct_key_fill builds the conntrack key of f. Keys are written from the pod's
-// side (src is the pod, the owner of the entry; dst the peer), so a flow and
-// its replies share one key and one lookup finds either; ct_value.flags
-// records which side opened the flow.
+// ct_key_fill builds the conntrack key of a packet that travels in
+// direction dir. Keys are written from the pod's side (src is the pod, the
+// owner of the entry; dst the peer), so a flow and its replies share one key
+// and one lookup finds either; ct_value.flags records which side opened the
+// flow.
 static __always_inline void ct_key_fill(union ct_key *k, const int family, const int dir,
-					struct flow *f, __u32 ifindex)
+					const __u8 *src, const __u8 *dst, __u16 sport, __u16 dport,
+					__u8 proto, __u32 ifindex)
 {
-	const __u8 *pod = dir == DIR_EGRESS ? f->src.v6 : f->dst.v6;
-	const __u8 *peer = dir == DIR_EGRESS ? f->dst.v6 : f->src.v6;
-	__u16 pod_port = dir == DIR_EGRESS ? f->sport : f->dport;
-	__u16 peer_port = dir == DIR_EGRESS ? f->dport : f->sport;
+	const __u8 *pod = dir == DIR_EGRESS ? src : dst;
+	const __u8 *peer = dir == DIR_EGRESS ? dst : src;
+	__u16 pod_port = dir == DIR_EGRESS ? sport : dport;
+	__u16 peer_port = dir == DIR_EGRESS ? dport : sport;
 	if (family == 4)
-		CT_FILL(k->v4, pod, pod_port, peer, peer_port, f->proto, ifindex, 4);
+		CT_FILL(k->v4, pod, pod_port, peer, peer_port, proto, ifindex, 4);
 	else
-		CT_FILL(k->v6, pod, pod_port, peer, peer_port, f->proto, ifindex, 16);
+		CT_FILL(k->v6, pod, pod_port, peer, peer_port, proto, ifindex, 16);
+}
+
+// is_related reports whether f, an ICMP error, is about a flow conntrack
+// holds and the current policy still allows: "fragmentation needed" or
+// "packet too big" from a router on the path, which Path MTU discovery
+// needs, or "port unreachable" from the peer. The quoted datagram went the
+// other way, so its key is built for the opposite direction. Nothing is
+// refreshed: an error does not keep a flow alive. The quote is parsed here,
+// not with the rest of the packet, so that other packets pay nothing for it.
+static __always_inline int is_related(struct __sk_buff *skb, const int dir, const int family,
+				      struct flow *f, struct id_state *st)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct quoted q;
+	if (!parse_quoted(data + bounded(f->quote_off), end, family, &q))
+		return 0;
+	union ct_key key;
+	ct_key_fill(&key, family, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
+	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
+	return v && (v->generation == st->generation || (v->flags & CT_NODE));
 }
 
 static __always_inline int allow_tracked(const int dir, struct ct_value *v, struct id_state *st,
@@ -303,8 +327,13 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
 					  struct flow *f, struct id_state *st)
 {
+	if (f->is_icmp_error && is_related(skb, dir, family, f, st)) {
+		count(dir, REASON_CT_RELATED);
+		return VERDICT_ALLOW;
+	}
+
 	union ct_key key; // every byte of the family's key is written below
-	ct_key_fill(&key, family, dir, f, skb->ifindex);
+	ct_key_fill(&key, family, dir, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, skb->ifindex);
 	// A TCP SYN opens a connection, so there is nothing to look up: it is
 	// judged as new (an allowed one overwrites a stale entry of the same
 	// tuple). Simultaneous open, where both ends send a SYN, is judged as

@@ -28,7 +28,8 @@ enum reason {
 	REASON_POLICY_DENY = 6,    // new flow no rule allows
 	REASON_REVOKED = 7,        // tracked flow the current policy no longer allows
 	REASON_MALFORMED = 8,      // truncated or malformed IP packet: dropped
-	REASON_MAX = 9,
+	REASON_CT_RELATED = 9,     // ICMP error about a tracked flow (e.g. "packet too big")
+	REASON_MAX = 10,
 };
 
 // State of one identifier (array map with one entry).

@@ -24,12 +24,13 @@ const (
 	ReasonPolicyDeny                  // new flow no rule allows: dropped
 	ReasonRevoked                     // tracked flow the current policy no longer allows: dropped
 	ReasonMalformed                   // truncated or malformed IP packet: dropped
+	ReasonCTRelated                   // ICMP error about a tracked flow ("packet too big")
 	NumReasons
 )
 
 var reasonNames = [NumReasons]string{
 	"ct-established", "ct-reply", "policy-allow", "not-isolated", "node",
-	"not-ip", "policy-deny", "revoked", "malformed",
+	"not-ip", "policy-deny", "revoked", "malformed", "ct-related",
 }
 
 func (r Reason) String() string {

@@ -16,6 +16,9 @@ const (
 	peer6 = "fd01::3"
 	node4 = "192.168.0.1"
 	node6 = "fd99::1"
+	// routers on the path, which send ICMP errors
+	router4 = "172.16.0.1"
+	router6 = "fd77::1"
 )
 
 var (
@@ -41,6 +44,11 @@ func raw(d policy.Direction, frame []byte, want Reason) step {
 }
 
 func change(s policy.Set) step { return step{apply: &s} }
+
+func withPayload(p packet.Packet, b []byte) packet.Packet {
+	p.Payload = b
+	return p
+}
 
 type verdictCase struct {
 	name  string
@@ -206,6 +214,43 @@ func verdictCases() []verdictCase {
 		{"udp reply tracked v6", isolate(rules(), rules(rule("fd01::/64", udpPort(53)))), []step{
 			send(out, udp(pod6, peer6, 3333, 53), ReasonPolicyAllow), send(in, udp(peer6, pod6, 53, 3333), ReasonCTReply),
 			send(out, udp(pod6, peer6, 3333, 53), ReasonCTEstablished)}},
+
+		// ICMP errors about tracked flows (RFC 792, RFC 4443): allowed as
+		// related while the flow is, whoever sends them; judged as flows
+		// of their own otherwise.
+		{"frag needed for an egress flow passes isolated ingress", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, syn(tcp(pod4, peer4, 40000, 443)), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router4), tcp(pod4, peer4, 40000, 443), 3), ReasonCTRelated),
+			send(in, packet.ICMPError(ip(router4), tcp(pod4, peer4, 40001, 443), 3), ReasonPolicyDeny),
+			send(in, packet.ICMPError(ip(router4), tcp(pod4, peer4, 40000, 443).Reply(), 3), ReasonPolicyDeny)}},
+		{"packet too big for an egress flow v6", isolate(rules(), rules(rule("fd01::/64"))), []step{
+			send(out, syn(tcp(pod6, peer6, 40000, 443)), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router6), tcp(pod6, peer6, 40000, 443), 2), ReasonCTRelated)}},
+		{"port unreachable from the peer v6", isolate(rules(), rules(rule("fd01::/64", udpPort(53)))), []step{
+			send(out, udp(pod6, peer6, 3333, 53), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(peer6), udp(pod6, peer6, 3333, 53), 1), ReasonCTRelated)}},
+		{"pod's error about an ingress flow passes isolated egress", isolate(rules(rule("10.1.0.0/16", tcpPort(80))), rules()), []step{
+			send(in, tcpIn, ReasonPolicyAllow),
+			send(out, packet.ICMPError(ip(pod4), tcpIn, 3), ReasonCTRelated)}},
+		{"time exceeded for a ping", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, echo(pod4, peer4, 9), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router4), echo(pod4, peer4, 9), 11), ReasonCTRelated),
+			send(in, packet.ICMPError(ip(router4), echo(pod4, peer4, 10), 11), ReasonPolicyDeny)}},
+		{"error about a revoked flow is denied", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, syn(tcp(pod4, peer4, 40000, 443)), ReasonPolicyAllow), change(denyBoth),
+			send(in, packet.ICMPError(ip(router4), tcp(pod4, peer4, 40000, 443), 3), ReasonPolicyDeny)}},
+		{"error quoting another pod's flow is denied", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, syn(tcp(pod4, peer4, 40000, 443)), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router4), tcp("10.0.0.11", peer4, 40000, 443), 3), ReasonPolicyDeny)}},
+		{"error with its quote cut is judged alone", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, syn(tcp(pod4, peer4, 40000, 443)), ReasonPolicyAllow),
+			raw(in, packet.Truncate(packet.ICMPError(ip(router4), tcp(pod4, peer4, 40000, 443), 3).Marshal(), 14+20+8+20+3), ReasonPolicyDeny)}},
+		{"error about a later fragment is judged alone", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, frag4(udp(pod4, peer4, 0, 0), 100, false), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router4), frag4(udp(pod4, peer4, 0, 0), 100, false), 11), ReasonPolicyDeny)}},
+		{"echo request with a quote is not an error", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
+			send(out, echo(pod4, peer4, 9), ReasonPolicyAllow),
+			send(in, withPayload(echo(router4, pod4, 5), packet.ICMPError(ip(router4), echo(pod4, peer4, 9), 11).Payload), ReasonPolicyDeny)}},
 
 		// Policy changes and generations.
 		{"revoked flow dropped on next packet", web80, []step{

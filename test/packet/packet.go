@@ -158,6 +158,24 @@ func (p Packet) Reply() Packet {
 	return r
 }
 
+// ICMPError returns the ICMP error (ICMPv6 for IPv6) of type typ that from
+// sends to orig's source about orig, quoting orig's IP header (options and
+// extension headers included) and the first 8 bytes after it, as RFC 792
+// asks of a router. The rest of the error's header (the MTU of "packet too
+// big", say) is zero.
+func ICMPError(from netip.Addr, orig Packet, typ uint8) Packet {
+	frame := orig.Marshal()
+	end := min(orig.L4Offset()+8, len(frame))
+	proto := uint8(protoICMP)
+	if _, _, v4 := orig.family(); !v4 {
+		proto = protoICMPv6
+	}
+	return Packet{
+		Src: from, Dst: orig.Src, Proto: proto, ICMPType: typ,
+		Payload: append([]byte(nil), frame[ethHeaderLen:end]...),
+	}
+}
+
 // Truncate returns a copy of the first n bytes of frame. It panics if n is
 // negative or larger than the frame.
 func Truncate(frame []byte, n int) []byte {

@@ -607,3 +607,34 @@ func TestTruncatePanics(t *testing.T) {
 		}()
 	}
 }
+
+func TestICMPError(t *testing.T) {
+	router4, router6 := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("2001:db8::1")
+	tests := []struct {
+		name   string
+		from   netip.Addr
+		orig   Packet
+		typ    uint8
+		proto  uint8
+		quoted int // bytes of orig's frame after Ethernet the error carries
+	}{
+		{"v4 tcp with options", router4, Packet{Src: v4a, Dst: v4b, Proto: 6, SrcPort: 1, DstPort: 2, IPOptions: []byte{1, 1, 1, 1}, Payload: make([]byte, 100)}, 3, 1, 24 + 8},
+		{"v6 udp after hop-by-hop", router6, Packet{Src: v6a, Dst: v6b, Proto: 17, SrcPort: 1, DstPort: 2, ExtHeaders: []ExtHeader{{Type: 0}}}, 2, 58, 40 + 8 + 8},
+		{"v4 icmp echo", router4, Packet{Src: v4a, Dst: v4b, Proto: 1, SrcPort: 7}, 11, 1, 20 + 8},
+		{"short original", router4, Packet{Src: v4a, Dst: v4b, Proto: 47, Payload: []byte{1, 2}}, 3, 1, 20 + 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := ICMPError(tt.from, tt.orig, tt.typ)
+			d := decode(t, e.Marshal())
+			if d.src != tt.from || d.dst != tt.orig.Src || d.proto() != tt.proto || d.icmpType != tt.typ {
+				t.Errorf("error %v -> %v proto %d type %d, want %v -> %v proto %d type %d",
+					d.src, d.dst, d.proto(), d.icmpType, tt.from, tt.orig.Src, tt.proto, tt.typ)
+			}
+			want := tt.orig.Marshal()[ethHeaderLen:][:tt.quoted]
+			if got := d.l4[icmpHeaderLen:]; !bytes.Equal(got, want) {
+				t.Errorf("quotes % x, want % x", got, want)
+			}
+		})
+	}
+}
