@@ -14,7 +14,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/netnsutil"
 )
 
@@ -61,7 +61,7 @@ spec:
     ports: [{protocol: TCP, port: %d}]
 `, serverAddr.Masked(), bulkPort))
 			client := c.addPod("client", "default")
-			routeToServerLikeCluster(t, client.netns)
+			routeLikeCluster(t, client.netns, serverAddr.Masked())
 
 			got, err := streamTo(t, client.netns, server)
 			if err != nil {
@@ -71,7 +71,7 @@ spec:
 				t.Fatalf("server received %d bytes, want %d", got, bulkBytes)
 			}
 
-			related := relatedCount(t, c.pinRoot, "client@default")
+			related := c.counters(t, "client@default")[policy.Ingress][bpf.ReasonCTRelated]
 			if related == 0 {
 				t.Error("the stream completed without a related ICMP error: the path did not need Path MTU discovery, so this test proves nothing")
 			}
@@ -113,10 +113,10 @@ func buildRoutedPath(t *testing.T, node, router, server ns.NetNS) {
 	})
 }
 
-// routeToServerLikeCluster sends the pod's traffic for the server the way
-// its traffic for the cluster goes: the test's ptp conflist gives pods a
-// route for the pod range only.
-func routeToServerLikeCluster(t *testing.T, pod ns.NetNS) {
+// routeLikeCluster sends the pod's traffic for dst the way its traffic for
+// the cluster goes: the test's ptp conflist gives pods a route for the pod
+// range only.
+func routeLikeCluster(t *testing.T, pod ns.NetNS, dst netip.Prefix) {
 	t.Helper()
 	netnsutil.Do(t, pod, func() error {
 		routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
@@ -125,7 +125,7 @@ func routeToServerLikeCluster(t *testing.T, pod ns.NetNS) {
 		}
 		for _, r := range routes {
 			if r.Dst != nil && r.Dst.String() == podRange.String() && r.Gw != nil {
-				return netlink.RouteAdd(&netlink.Route{LinkIndex: r.LinkIndex, Dst: prefixNet(serverAddr.Masked()), Gw: r.Gw})
+				return netlink.RouteAdd(&netlink.Route{LinkIndex: r.LinkIndex, Dst: prefixNet(dst), Gw: r.Gw})
 			}
 		}
 		return fmt.Errorf("no route for %s in the pod: %v", podRange, routes)
@@ -179,25 +179,4 @@ func streamTo(t *testing.T, pod, server ns.NetNS) (int, error) {
 		return 0, fmt.Errorf("read the server's count: %w", err)
 	}
 	return strconv.Atoi(string(reply))
-}
-
-// relatedCount is how many packets the identifier's ingress program passed
-// as ICMP errors related to a tracked flow.
-func relatedCount(t *testing.T, pinRoot string, id podid.ID) uint64 {
-	t.Helper()
-	g, err := bpf.OpenGlobal(pinRoot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	ident, err := bpf.OpenIdentifier(g, pinRoot, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ident.Close()
-	counts, err := ident.ReadCounters()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return counts[0][bpf.ReasonCTRelated]
 }

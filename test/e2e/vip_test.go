@@ -1,0 +1,290 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/netnsutil"
+)
+
+// The service of TestServiceVIPConnection: kube-proxy's DNAT, played by an
+// nftables rule in the node namespace.
+var serviceVIP = netip.MustParsePrefix("10.96.0.10/32")
+
+const (
+	servicePort = 80
+	backendPort = 8080
+)
+
+// TestServiceVIPConnection is the seed's second scene at the datapath: pod
+// A talks to a ClusterIP whose backend B is on the same node. A's egress
+// program sees the VIP (it runs before the node's DNAT), B's ingress
+// program sees A; each tracks the one kernel flow under its own key. A live
+// connection must survive a policy change that still allows it, at both
+// ends, and end when B's policy revokes it.
+func TestServiceVIPConnection(t *testing.T) {
+	for _, mode := range attachModes(t) {
+		t.Run(mode, func(t *testing.T) {
+			c := newCluster(t, mode)
+			const clientID = "client@default"
+			c.writePolicy("client", fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
+kind: PolicyEndpoint
+metadata: {name: client, namespace: default}
+spec:
+  podIsolation: [Ingress, Egress]
+  podSelectorEndpoints: [{name: client, namespace: default}]
+  egress:
+  - cidr: %s
+    ports: [{protocol: TCP, port: %d}]
+`, serviceVIP, servicePort))
+			client := c.addPod("client", "default")
+			stranger := c.addPod("stranger", "default")
+			c.writePolicy("web", backendPolicy(client.ip, backendPort))
+			web := c.addPod(webReplicas[0], "default")
+			echoServer(t, web.netns, backendPort)
+			c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
+			for _, p := range []*pod{client, stranger} {
+				routeLikeCluster(t, p.netns, serviceVIP)
+			}
+
+			if conn, err := dialEcho(stranger.netns); err == nil {
+				conn.Close()
+				t.Fatal("a client the backend's policy does not name reached it through the VIP")
+			}
+			conn, err := dialEcho(client.netns)
+			if err != nil {
+				t.Fatalf("client to the VIP: %v", err)
+			}
+			defer conn.Close()
+			if err := conn.roundTrip("before"); err != nil {
+				t.Fatalf("first message: %v", err)
+			}
+
+			// A new generation at both ends that still allows the flow: the
+			// live connection's entries are re-checked and kept. Traffic
+			// alone cannot tell, since a lost entry is re-created by the
+			// next segment where the policy allows a new flow; the reasons
+			// can: nothing revoked and no new flow allowed, only tracked
+			// packets. (Other reasons are left alone: a pod's own IPv6
+			// router solicitations may be denied meanwhile.)
+			c.writePolicy("web", backendPolicy(client.ip, backendPort, backendPort+1))
+			c.applyPolicy(t, webID)
+			c.writePolicy("client", mustRead(t, c.policyDir, "client")+"  - cidr: 10.97.0.0/16\n")
+			c.applyPolicy(t, clientID)
+			before := map[podid.ID]bpf.Counters{webID: c.counters(t, webID), clientID: c.counters(t, clientID)}
+			if err := conn.roundTrip("after an unrelated change"); err != nil {
+				t.Fatalf("live VIP connection broken by a policy change that still allows it: %v", err)
+			}
+			for id, b := range before {
+				a := c.counters(t, id)
+				tracked := uint64(0)
+				for d := range a {
+					for _, r := range []bpf.Reason{bpf.ReasonRevoked, bpf.ReasonPolicyAllow, bpf.ReasonNotIsolated} {
+						if n := a[d][r] - b[d][r]; n != 0 {
+							t.Errorf("%s %s: %d packets %s after a change that keeps the flow", id, policy.Direction(d), n, r)
+						}
+					}
+					tracked += a[d][bpf.ReasonCTEstablished] - b[d][bpf.ReasonCTEstablished] + a[d][bpf.ReasonCTReply] - b[d][bpf.ReasonCTReply]
+				}
+				if tracked == 0 {
+					t.Errorf("%s: the round trip passed no tracked packet", id)
+				}
+			}
+
+			c.writePolicy("web", backendPolicy(stranger.ip, backendPort))
+			c.applyPolicy(t, webID)
+			if err := conn.roundTrip("after revocation"); err == nil {
+				t.Fatal("connection still works after the backend's policy revoked it")
+			}
+			if n := c.counters(t, webID)[policy.Ingress][bpf.ReasonRevoked]; n == 0 {
+				t.Error("the backend dropped the revoked connection without counting it revoked")
+			}
+		})
+	}
+}
+
+// backendPolicy selects the web replicas, isolates both directions and
+// lets client in on ports.
+func backendPolicy(client netip.Addr, ports ...uint16) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `apiVersion: networking.k8s.aws/v1alpha1
+kind: PolicyEndpoint
+metadata: {name: web, namespace: default}
+spec:
+  podIsolation: [Ingress, Egress]
+  podSelectorEndpoints: [{name: %s, namespace: default}]
+  ingress:
+  - cidr: %s/32
+    ports:
+`, webReplicas[0], client)
+	for _, p := range ports {
+		fmt.Fprintf(&b, "    - {protocol: TCP, port: %d}\n", p)
+	}
+	return b.String()
+}
+
+func mustRead(t *testing.T, dir, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, name+".yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// counters reads an identifier's packet counts by direction and reason.
+func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
+	t.Helper()
+	g, err := bpf.OpenGlobal(c.pinRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	counts, err := ident.ReadCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return counts
+}
+
+// dnat makes connections to vip:port go to backend:backendPort, as
+// kube-proxy's nftables mode does. The table goes with the node namespace.
+func (c *cluster) dnat(vip netip.Addr, port uint16, backend netip.Addr, backendPort uint16) {
+	c.t.Helper()
+	rules := fmt.Sprintf(`table ip podfence_e2e {
+	chain prerouting {
+		type nat hook prerouting priority dstnat;
+		ip daddr %s tcp dport %d dnat to %s:%d
+	}
+}
+`, vip, port, backend, backendPort)
+	cmd := exec.Command("nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(rules)
+	if err := c.inNode(func() error {
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("nft: %w: %s", err, out)
+		}
+		return nil
+	}); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// applyPolicy programs what the policy directory now says for id into its
+// live maps, under the identifier's lock, as a policy push does.
+func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
+	t.Helper()
+	docs, err := policy.LoadDir(c.policyDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lock, err := membership.New(c.pinRoot).Lock(id, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Unlock()
+	g, err := bpf.OpenGlobal(c.pinRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, policy.ModeStandard)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// echoServer answers every line on port with the same line.
+func echoServer(t *testing.T, n ns.NetNS, port uint16) {
+	t.Helper()
+	var ln net.Listener
+	netnsutil.Do(t, n, func() error {
+		var err error
+		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
+		return err
+	})
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				r := bufio.NewReader(conn)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					if _, err := conn.Write([]byte(line)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+}
+
+type echoConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+// dialEcho connects from n to the service VIP.
+func dialEcho(n ns.NetNS) (*echoConn, error) {
+	var conn net.Conn
+	err := n.Do(func(ns.NetNS) error {
+		var err error
+		conn, err = net.DialTimeout("tcp4", netip.AddrPortFrom(serviceVIP.Addr(), servicePort).String(), 500*time.Millisecond)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &echoConn{Conn: conn, r: bufio.NewReader(conn)}, nil
+}
+
+// roundTrip sends msg and expects it back within a second. A dropped
+// segment is retransmitted well within that.
+func (e *echoConn) roundTrip(msg string) error {
+	if err := e.SetDeadline(time.Now().Add(time.Second)); err != nil {
+		return err
+	}
+	if _, err := e.Write([]byte(msg + "\n")); err != nil {
+		return err
+	}
+	got, err := e.r.ReadString('\n')
+	if err != nil {
+		return err
+	}
+	if got != msg+"\n" {
+		return fmt.Errorf("echo %q, want %q", got, msg)
+	}
+	return nil
+}
