@@ -50,16 +50,7 @@ func TestPathMTUThroughClosedIngress(t *testing.T) {
 			router, server := netnsutil.New(t), netnsutil.New(t)
 			buildRoutedPath(t, c.node, router, server)
 
-			c.writePolicy("client", fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: client, namespace: default}
-spec:
-  podIsolation: [Ingress, Egress]
-  podSelectorEndpoints: [{name: client, namespace: default}]
-  egress:
-  - cidr: %s
-    ports: [{protocol: TCP, port: %d}]
-`, serverAddr.Masked(), bulkPort))
+			c.writePolicy("client", egressOnlyTo("client", serverAddr.Masked(), bulkPort))
 			client := c.addPod("client", "default")
 			routeLikeCluster(t, client.netns, serverAddr.Masked())
 

@@ -41,16 +41,7 @@ func TestServiceVIPConnection(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			c := newCluster(t, mode)
 			const clientID = "client@default"
-			c.writePolicy("client", fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: client, namespace: default}
-spec:
-  podIsolation: [Ingress, Egress]
-  podSelectorEndpoints: [{name: client, namespace: default}]
-  egress:
-  - cidr: %s
-    ports: [{protocol: TCP, port: %d}]
-`, serviceVIP, servicePort))
+			c.writePolicy("client", egressOnlyTo("client", serviceVIP, servicePort))
 			client := c.addPod("client", "default")
 			stranger := c.addPod("stranger", "default")
 			c.writePolicy("web", backendPolicy(client.ip, backendPort))
@@ -117,6 +108,21 @@ spec:
 	}
 }
 
+// egressOnlyTo selects the bare pod name, isolates both directions and lets
+// it reach dst on a TCP port; nothing may come in but replies.
+func egressOnlyTo(name string, dst netip.Prefix, port uint16) string {
+	return fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
+kind: PolicyEndpoint
+metadata: {name: %[1]s, namespace: default}
+spec:
+  podIsolation: [Ingress, Egress]
+  podSelectorEndpoints: [{name: %[1]s, namespace: default}]
+  egress:
+  - cidr: %[2]s
+    ports: [{protocol: TCP, port: %[3]d}]
+`, name, dst, port)
+}
+
 // backendPolicy selects the web replicas, isolates both directions and
 // lets client in on ports.
 func backendPolicy(client netip.Addr, ports ...uint16) string {
@@ -144,26 +150,6 @@ func mustRead(t *testing.T, dir, name string) string {
 		t.Fatal(err)
 	}
 	return string(b)
-}
-
-// counters reads an identifier's packet counts by direction and reason.
-func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
-	t.Helper()
-	g, err := bpf.OpenGlobal(c.pinRoot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ident.Close()
-	counts, err := ident.ReadCounters()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return counts
 }
 
 // dnat makes connections to vip:port go to backend:backendPort, as
@@ -203,6 +189,27 @@ func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
 		t.Fatal(err)
 	}
 	defer lock.Unlock()
+	c.withIdentifier(t, id, func(ident *bpf.Identifier) error {
+		return ident.ApplyPolicy(policy.ForIdentifier(docs, id, policy.ModeStandard))
+	})
+}
+
+// counters reads an identifier's packet counts by direction and reason.
+func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
+	t.Helper()
+	var counts bpf.Counters
+	c.withIdentifier(t, id, func(ident *bpf.Identifier) error {
+		var err error
+		counts, err = ident.ReadCounters()
+		return err
+	})
+	return counts
+}
+
+// withIdentifier runs fn on the pinned objects of an identifier that a
+// pod's ADD has created.
+func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Identifier) error) {
+	t.Helper()
 	g, err := bpf.OpenGlobal(c.pinRoot)
 	if err != nil {
 		t.Fatal(err)
@@ -213,7 +220,7 @@ func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
 		t.Fatal(err)
 	}
 	defer ident.Close()
-	if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, policy.ModeStandard)); err != nil {
+	if err := fn(ident); err != nil {
 		t.Fatal(err)
 	}
 }
