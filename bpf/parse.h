@@ -47,6 +47,7 @@ struct flow {
 	__u8 family; // 4 or 6
 	__u8 proto;
 	__u8 opens;  // a TCP SYN without ACK: the first packet of a connection
+	__u8 is_nd;         // IPv6 neighbour discovery from on-link (see parse_ipv6)
 	__u8 is_icmp_error; // an ICMP error, quoting a datagram at quote_off
 	__u16 quote_off;    // from the start of the frame; at most PULL_LEN + 8
 };
@@ -194,6 +195,9 @@ static __always_inline int parse_l4(void *l4, __u32 l4_off, void *end, struct fl
 			return PARSE_MALFORMED;
 		// Echo request/reply (ICMP 8/0, ICMPv6 128/129) keep the identifier
 		// in both ports; other messages are tracked with ports 0.
+		// Router and neighbour solicitation and advertisement, and
+		// redirect (RFC 4861); parse_ipv6 also checks the hop limit.
+		f->is_nd = f->family == 6 && f->proto == IPPROTO_ICMPV6 && e->type >= 133 && e->type <= 137;
 		if (is_echo(e->type)) {
 			f->sport = bpf_ntohs(e->id);
 			f->dport = f->sport;
@@ -302,7 +306,13 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	if (l4 > end)
 		return PARSE_MALFORMED;
 	f->proto = next;
-	return parse_l4(l4, off, end, f, 1);
+	int r = parse_l4(l4, off, end, f, 1);
+	// Neighbour discovery is IPv6's ARP: without it a pod cannot reach its
+	// gateway at all, whatever the policy. A hop limit of 255 proves that
+	// it was sent on this link (RFC 4861 7.1.1), so nothing from beyond
+	// the node can pass as such.
+	f->is_nd &= ip6->hop_limit == 255;
+	return r;
 }
 
 // parse fills f from the packet. It may pull non-linear headers into the
@@ -317,6 +327,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 	f->dport = 0;
 	f->opens = 0;
 	f->is_icmp_error = 0;
+	f->is_nd = 0;
 
 	if (linear < skb->len && linear < PULL_LEN) {
 		bpf_skb_pull_data(skb, skb->len < PULL_LEN ? skb->len : PULL_LEN);

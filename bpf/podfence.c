@@ -390,6 +390,10 @@ static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 		count(dir, REASON_MALFORMED);
 		return VERDICT_DROP;
 	}
+	if (f.is_nd) {
+		count(dir, REASON_ND);
+		return VERDICT_ALLOW;
+	}
 
 	__u32 zero = 0;
 	struct id_state *st = bpf_map_lookup_elem(&state, &zero);

@@ -29,7 +29,8 @@ enum reason {
 	REASON_REVOKED = 7,        // tracked flow the current policy no longer allows
 	REASON_MALFORMED = 8,      // truncated or malformed IP packet: dropped
 	REASON_CT_RELATED = 9,     // ICMP error about a tracked flow (e.g. "packet too big")
-	REASON_MAX = 10,
+	REASON_ND = 10,            // IPv6 neighbour discovery on the link: passed like ARP
+	REASON_MAX = 11,
 };
 
 // State of one identifier (array map with one entry).

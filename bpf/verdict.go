@@ -25,12 +25,14 @@ const (
 	ReasonRevoked                     // tracked flow the current policy no longer allows: dropped
 	ReasonMalformed                   // truncated or malformed IP packet: dropped
 	ReasonCTRelated                   // ICMP error about a tracked flow ("packet too big")
+	ReasonND                          // IPv6 neighbour discovery on the link: passed like ARP
 	NumReasons
 )
 
 var reasonNames = [NumReasons]string{
 	"ct-established", "ct-reply", "policy-allow", "not-isolated", "node",
 	"not-ip", "policy-deny", "revoked", "malformed", "ct-related",
+	"neighbor-discovery",
 }
 
 func (r Reason) String() string {

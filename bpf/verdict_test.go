@@ -45,6 +45,11 @@ func raw(d policy.Direction, frame []byte, want Reason) step {
 
 func change(s policy.Set) step { return step{apply: &s} }
 
+// nd is an ICMPv6 message of type typ with the given hop limit.
+func nd(src, dst string, typ, hopLimit uint8) packet.Packet {
+	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: 58, ICMPType: typ, TTL: hopLimit}
+}
+
 func withPayload(p packet.Packet, b []byte) packet.Packet {
 	p.Payload = b
 	return p
@@ -251,6 +256,23 @@ func verdictCases() []verdictCase {
 		{"echo request with a quote is not an error", isolate(rules(), rules(rule("10.1.0.0/16"))), []step{
 			send(out, echo(pod4, peer4, 9), ReasonPolicyAllow),
 			send(in, withPayload(echo(router4, pod4, 5), packet.ICMPError(ip(router4), echo(pod4, peer4, 9), 11).Payload), ReasonPolicyDeny)}},
+
+		// IPv6 neighbour discovery passes like ARP, but only from the link.
+		{"neighbour discovery passes closed directions", denyBoth, []step{
+			send(out, nd("fe80::10", "ff02::1:ff00:1", 135, 255), ReasonND),
+			send(in, nd("fe80::1", "fe80::10", 136, 255), ReasonND),
+			send(out, nd("fe80::10", "ff02::2", 133, 255), ReasonND),
+			send(in, nd("fe80::1", "ff02::1", 134, 255), ReasonND),
+			send(in, nd("fe80::1", "fe80::10", 137, 255), ReasonND),
+			send(in, nd("::", "ff02::1:ff00:10", 135, 255), ReasonND)}},
+		{"neighbour discovery from beyond the link is a flow", denyBoth, []step{
+			send(in, nd(peer6, pod6, 135, 64), ReasonPolicyDeny),
+			send(in, nd(peer6, pod6, 136, 254), ReasonPolicyDeny)}},
+		{"other icmpv6 with hop limit 255 is a flow", denyBoth, []step{
+			send(in, nd(peer6, pod6, 130, 255), ReasonPolicyDeny),
+			send(in, nd(peer6, pod6, 138, 255), ReasonPolicyDeny)}},
+		{"icmpv6 types in ipv4 are not neighbour discovery", denyBoth, []step{
+			send(in, nd(peer4, pod4, 135, 255), ReasonPolicyDeny)}},
 
 		// Policy changes and generations.
 		{"revoked flow dropped on next packet", web80, []step{

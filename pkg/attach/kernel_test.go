@@ -194,6 +194,15 @@ func (e *env) expectDial(n ns.NetNS, dst netip.AddrPort, want bool) {
 	}
 }
 
+func (e *env) counts() bpf.Counters {
+	e.t.Helper()
+	c, err := e.id.ReadCounters()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return c
+}
+
 func mustID(tb testing.TB, p *ebpf.Program) ebpf.ProgramID {
 	tb.Helper()
 	id, err := programID(p)
@@ -261,6 +270,25 @@ func TestEnforce(t *testing.T) {
 		e.wantAttached(HookIngress)
 		e.toPod(81, true)
 		e.fromPod(true)
+	})
+}
+
+// TestNeighbourDiscoveryUnderIsolation: with the pod's egress closed and
+// its ingress open to TCP port 80 only, IPv6 still works because neighbour
+// discovery passes both programs: the node's solicitation for the pod goes
+// through the ingress program, the pod's advertisement (and its own
+// solicitation for the node) through the egress program.
+func TestNeighbourDiscoveryUnderIsolation(t *testing.T) {
+	forEachMode(t, func(t *testing.T, m Mode) {
+		e := newEnv(t, m)
+		e.attachBoth()
+		e.apply(isolate(tcp80Only(), []policy.Rule{}))
+		e.FlushNeighbours(t)
+		e.expectDial(e.Node, netip.AddrPortFrom(netnsutil.PodV6.Addr(), 80), true)
+		if n := e.counts()[policy.Egress][bpf.ReasonND]; n == 0 {
+			t.Error("the connection needed no neighbour discovery from the pod: the test proves nothing")
+		}
+		e.expectDial(e.Node, netip.AddrPortFrom(netnsutil.PodV6.Addr(), 81), false)
 	})
 }
 

@@ -80,9 +80,10 @@ var (
 // end (HostVeth, index HostIndex) is in Node and whose other end, eth0, is in
 // Pod. Both ends carry an address of NodeV4/NodeV6 and PodV4/PodV6.
 //
-// IPv6 neighbours are static on both ends, so that no neighbour discovery
-// has to pass the policy a test puts on the veth; ARP is not IP and passes
-// podfence's programs anyway.
+// Both ends learn each other's addresses as a real pod and node do: ARP,
+// which is not IP, and IPv6 neighbour discovery, which podfence's programs
+// pass whatever the policy. FlushNeighbours makes the next connection need
+// them again.
 type Pair struct {
 	Node, Pod ns.NetNS
 	HostVeth  string
@@ -93,7 +94,6 @@ type Pair struct {
 func NewPair(tb testing.TB) *Pair {
 	tb.Helper()
 	p := &Pair{Node: New(tb), Pod: New(tb), HostVeth: "veth0"}
-	var hostMAC, podMAC net.HardwareAddr
 	Do(tb, p.Node, func() error {
 		return withHandle(func(h *netlink.Handle) error {
 			veth := &netlink.Veth{
@@ -108,26 +108,45 @@ func NewPair(tb testing.TB) *Pair {
 			if err != nil {
 				return err
 			}
-			p.HostIndex, hostMAC = l.Attrs().Index, l.Attrs().HardwareAddr
+			p.HostIndex = l.Attrs().Index
 			return nil
 		})
 	})
 	Do(tb, p.Pod, func() error {
 		return withHandle(func(h *netlink.Handle) error {
-			l, err := setUp(h, "eth0", PodV4, PodV6)
-			if err != nil {
-				return err
-			}
-			podMAC = l.Attrs().HardwareAddr
-			return addNeighbour(h, l.Attrs().Index, NodeV6.Addr(), hostMAC)
-		})
-	})
-	Do(tb, p.Node, func() error {
-		return withHandle(func(h *netlink.Handle) error {
-			return addNeighbour(h, p.HostIndex, PodV6.Addr(), podMAC)
+			_, err := setUp(h, "eth0", PodV4, PodV6)
+			return err
 		})
 	})
 	return p
+}
+
+// FlushNeighbours forgets the IPv6 neighbours both ends have learnt.
+func (p *Pair) FlushNeighbours(tb testing.TB) {
+	tb.Helper()
+	for _, end := range []struct {
+		n    ns.NetNS
+		link string
+	}{{p.Node, p.HostVeth}, {p.Pod, "eth0"}} {
+		Do(tb, end.n, func() error {
+			return withHandle(func(h *netlink.Handle) error {
+				l, err := h.LinkByName(end.link)
+				if err != nil {
+					return err
+				}
+				neighs, err := h.NeighList(l.Attrs().Index, unix.AF_INET6)
+				if err != nil {
+					return fmt.Errorf("list neighbours of %s: %w", end.link, err)
+				}
+				for _, n := range neighs {
+					if err := h.NeighDel(&n); err != nil && !errors.Is(err, unix.ENOENT) {
+						return fmt.Errorf("delete neighbour %s of %s: %w", n.IP, end.link, err)
+					}
+				}
+				return nil
+			})
+		})
+	}
 }
 
 // setUp gives the interface its addresses (without duplicate address
@@ -152,20 +171,6 @@ func setUp(h *netlink.Handle, name string, addrs ...netip.Prefix) (netlink.Link,
 		return nil, fmt.Errorf("set %s up: %w", name, err)
 	}
 	return h.LinkByName(name) // again, for the attributes of an up link
-}
-
-func addNeighbour(h *netlink.Handle, ifindex int, ip netip.Addr, mac net.HardwareAddr) error {
-	err := h.NeighSet(&netlink.Neigh{
-		LinkIndex:    ifindex,
-		Family:       unix.AF_INET6,
-		State:        netlink.NUD_PERMANENT,
-		IP:           ip.AsSlice(),
-		HardwareAddr: mac,
-	})
-	if err != nil {
-		return fmt.Errorf("add neighbour %s: %w", ip, err)
-	}
-	return nil
 }
 
 // DeleteHostVeth deletes the veth (both ends) from the node namespace.
