@@ -24,6 +24,9 @@
 //  3. Removing the last member deletes the identifier's directory, which is
 //     also the lock's; a waiter that wakes up holding a deleted directory
 //     retries (Lock), so there are never two holders.
-//  4. A record that cannot be decoded is an error, not an absence: nobody
-//     removes pins that a member they cannot read may still use.
+//  4. A record that cannot be decoded (one another version wrote, say) is a
+//     member, not an absence: nobody removes pins that a member they cannot
+//     read may still use (Scan.InUse). It does not fail the DEL of another
+//     member; its own DEL, or a GC that does not list its container, removes
+//     it with its directory.
 package membership

@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"sort"
 
 	"golang.org/x/sys/unix"
 
@@ -157,15 +156,15 @@ func (l *Lock) MemberDir(key string) string {
 // cannot be read is returned as an error naming it, never skipped: callers
 // must not remove the pins of an identifier whose members they cannot see.
 func (l *Lock) Members() ([]Member, error) {
-	ms, _, unreadable, err := l.scan()
-	if err == nil {
-		err = unreadable
-	}
+	sc, err := l.Scan()
 	if err != nil {
 		return nil, err
 	}
-	sort.Slice(ms, func(i, j int) bool { return ms[i].Key() < ms[j].Key() })
-	return ms, nil
+	if len(sc.Unreadable) > 0 {
+		_, err := l.Member(sc.Unreadable[0])
+		return nil, err
+	}
+	return sc.Members, nil
 }
 
 // Incomplete returns, sorted, the keys of member directories that hold no
@@ -173,33 +172,47 @@ func (l *Lock) Members() ([]Member, error) {
 // place, so nothing was attached for it (invariant 1) and Remove may take
 // the directory. Members skips them.
 func (l *Lock) Incomplete() ([]string, error) {
-	_, keys, _, err := l.scan() // an unreadable record is a member's, not an incomplete one
-	return keys, err
+	sc, err := l.Scan()
+	return sc.Incomplete, err
 }
 
-// scan reads every member directory: the records, the keys of directories
-// without one, and the first record that could not be read; err is about
-// listing the directory itself.
-func (l *Lock) scan() (ms []Member, incomplete []string, unreadable, err error) {
+// Scan is one reading of an identifier's member directories.
+type Scan struct {
+	Members    []Member // the readable records, sorted by key
+	Incomplete []string // keys of directories without a record, sorted
+	Unreadable []string // keys of directories whose record is corrupt, sorted
+}
+
+// InUse reports whether the identifier has a member, readable or not: its
+// pins must stay while it does. A record this version cannot decode (one
+// written by another version, say) still belongs to a pod.
+func (sc Scan) InUse() bool { return len(sc.Members) > 0 || len(sc.Unreadable) > 0 }
+
+// Scan reads every member directory. A corrupt record is listed in
+// Unreadable; any other failure to read one is an error.
+func (l *Lock) Scan() (Scan, error) {
+	var sc Scan
 	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil, nil, nil
+		return sc, nil
 	}
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("list members of %q: %w", l.ID, err)
+		return sc, fmt.Errorf("list members of %q: %w", l.ID, err)
 	}
-	for _, e := range entries {
+	for _, e := range entries { // ReadDir sorts by name, which is the key
 		m, err := l.Member(e.Name())
 		switch {
 		case err == nil:
-			ms = append(ms, m)
+			sc.Members = append(sc.Members, m)
 		case errors.Is(err, ErrNotMember):
-			incomplete = append(incomplete, e.Name())
-		case unreadable == nil:
-			unreadable = err
+			sc.Incomplete = append(sc.Incomplete, e.Name())
+		case errors.Is(err, ErrCorruptRecord):
+			sc.Unreadable = append(sc.Unreadable, e.Name())
+		default:
+			return Scan{}, err
 		}
 	}
-	return ms, incomplete, unreadable, nil
+	return sc, nil
 }
 
 // Member reads one member's record.

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -476,6 +477,10 @@ func TestMembers(t *testing.T) {
 	}
 	if _, err := l.Member(bad); !errors.Is(err, ErrCorruptRecord) {
 		t.Errorf("Member of a corrupt record: %v", err)
+	}
+	// Scan lists it apart, and it keeps the identifier in use.
+	if sc, err := l.Scan(); err != nil || !slices.Equal(sc.Unreadable, []string{bad}) || !sc.InUse() {
+		t.Errorf("Scan with a corrupt record: %+v, %v; want it unreadable and in use", sc, err)
 	}
 	// A record that is not a symlink is not readable either.
 	if err := os.Remove(filepath.Join(l.MemberDir(bad), recordName)); err != nil {

@@ -287,12 +287,14 @@ func detach(o attach.Options) error {
 }
 
 // removeIfUnused removes the identifier's pins when it has no member left.
+// A member whose record cannot be read keeps them: it may be a live pod
+// whose record another version of podfence wrote.
 func removeIfUnused(pinRoot string, lock *membership.Lock) error {
-	ms, err := lock.Members()
+	sc, err := lock.Scan()
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
-	if len(ms) > 0 {
+	if sc.InUse() {
 		return nil
 	}
 	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
@@ -391,11 +393,11 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 		return 0, 0, err
 	}
 	defer lock.Unlock()
-	ms, err := lock.Members()
+	sc, err := lock.Scan()
 	if err != nil {
 		return 0, 0, err
 	}
-	for _, m := range ms {
+	for _, m := range sc.Members {
 		if valid[m.Key()] {
 			continue
 		}
@@ -405,12 +407,10 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 		removed++
 	}
 	// Directories of members whose ADD was killed before their record
-	// was in place; nothing was attached for them.
-	incomplete, err := lock.Incomplete()
-	if err != nil {
-		return removed, 0, err
-	}
-	for _, key := range incomplete {
+	// was in place (nothing was attached for them), and unreadable records
+	// of containers the runtime no longer has: what they attached cannot
+	// be found, but their link pins go with their directories.
+	for _, key := range append(sc.Incomplete, sc.Unreadable...) {
 		if valid[key] {
 			continue
 		}
@@ -418,7 +418,11 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 			return removed, 0, err
 		}
 	}
-	if len(ms) == removed {
+	after, err := lock.Scan()
+	if err != nil {
+		return removed, 0, err
+	}
+	if !after.InUse() {
 		if err := removeIfUnused(pinRoot, lock); err != nil {
 			return removed, 0, err
 		}
