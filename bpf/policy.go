@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"time"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -21,9 +23,11 @@ const (
 
 // ApplyPolicy programs the identifier's tries with set and then bumps the
 // policy generation, so that tracked flows are re-checked against the new
-// rules on their next packet. Entries are written before the isolation bits
-// change, so a direction that becomes isolated is never enforced against an
-// empty trie. Callers serialise ApplyPolicy per identifier.
+// rules on their next packet. A direction that becomes isolated is closed
+// only once its entries are written, and one that becomes open is opened
+// before its entries are deleted, so no packet meets a half-written policy
+// that denies what both the old and the new one allow. Callers serialise
+// ApplyPolicy per identifier.
 //
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
@@ -54,17 +58,6 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		// hides a rule from any other address.
 		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
 	}
-	changed := false
-	for d := range desired {
-		for f := range desired[d] {
-			c, err := syncTrie(i.Policy[d][f], desired[d][f])
-			if err != nil {
-				return fmt.Errorf("write %s policy of %q: %w", policy.Direction(d), i.ID, err)
-			}
-			changed = changed || c
-		}
-	}
-
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return fmt.Errorf("read state of %q: %w", i.ID, err)
@@ -81,6 +74,33 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if set.Egress.Isolated {
 		want.Isolated |= 1 << policy.Egress
 	}
+	// A direction being opened is opened before its trie is emptied, and
+	// (below) one being closed is closed after its trie is filled: at no
+	// instant is a direction enforced against a trie that is neither the
+	// old policy's nor the new one's.
+	if opening := st; opening.Isolated&^want.Isolated != 0 {
+		opening.Isolated &= want.Isolated
+		if err := i.State.Update(uint32(0), &opening, ebpf.UpdateExist); err != nil {
+			return fmt.Errorf("write state of %q: %w", i.ID, err)
+		}
+		// A packet that read the old isolation bit may still be on
+		// its way to the trie; let it finish before entries go.
+		if err := waitForPrograms(); err != nil {
+			return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+		}
+	}
+
+	changed := false
+	for d := range desired {
+		for f := range desired[d] {
+			c, err := syncTrie(i.Policy[d][f], desired[d][f])
+			if err != nil {
+				return fmt.Errorf("write %s policy of %q: %w", policy.Direction(d), i.ID, err)
+			}
+			changed = changed || c
+		}
+	}
+
 	// Every replica's ADD applies the identifier's policy; only a change
 	// makes the tracked flows of all replicas pay for a re-check.
 	if !changed && want == st {
@@ -163,4 +183,24 @@ func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
 		changed = true
 	}
 	return changed, nil
+}
+
+// waitForPrograms returns once every run of a BPF program that started
+// before the call has ended. TC programs run inside RCU read-side critical
+// sections, and membarrier's MEMBARRIER_CMD_GLOBAL is implemented with
+// synchronize_rcu (Linux 4.3+; kernel/sched/membarrier.c), so it waits for
+// exactly them. It costs one grace period (milliseconds), which ApplyPolicy
+// pays only when it opens an isolated direction. The command is refused
+// on nohz_full kernels; a sleep far longer than any program run stands in.
+func waitForPrograms() error {
+	const membarrierCmdGlobal = 1 // MEMBARRIER_CMD_GLOBAL, once MEMBARRIER_CMD_SHARED
+	_, _, errno := unix.Syscall(unix.SYS_MEMBARRIER, membarrierCmdGlobal, 0, 0)
+	switch errno {
+	case 0:
+		return nil
+	case unix.EINVAL, unix.ENOSYS:
+		time.Sleep(50 * time.Millisecond)
+		return nil
+	}
+	return fmt.Errorf("wait for running programs: membarrier: %w", errno)
 }
