@@ -74,11 +74,12 @@ func (s *Set) Direction(d Direction) *DirectionPolicy {
 // podSelectorEndpoints entry whose pod maps to id are selected (entries whose
 // pod name is not a valid Kubernetes name select nothing; they cannot belong
 // to a running pod). A direction is isolated if any selected document lists
-// it in podIsolation, and its rules are all selected documents' rules of
-// that direction, concatenated. Rules of a document for a direction it does
-// not isolate are kept: they take effect once any selected document isolates
-// that direction. Kubernetes proper would ignore them; keeping them means a
-// written rule is never silently dropped, at the cost of allowing more.
+// it in podIsolation, and its rules are the rules of that direction of the
+// selected documents that isolate it, concatenated. A document's rules for a
+// direction it does not isolate count for nothing, as in Kubernetes, where a
+// NetworkPolicy's egress rules are ignored unless its policyTypes include
+// Egress: otherwise they would widen what another document isolates (the
+// network policy controller never writes such rules).
 //
 // With no selecting document, ModeStrict isolates both directions with no
 // rules (deny all); any other mode isolates nothing (allow all). The rules
@@ -92,8 +93,12 @@ func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
 		s.Selected = true
 		s.Ingress.Isolated = s.Ingress.Isolated || d.IsolateIngress
 		s.Egress.Isolated = s.Egress.Isolated || d.IsolateEgress
-		s.Ingress.Rules = append(s.Ingress.Rules, d.Ingress...)
-		s.Egress.Rules = append(s.Egress.Rules, d.Egress...)
+		if d.IsolateIngress {
+			s.Ingress.Rules = append(s.Ingress.Rules, d.Ingress...)
+		}
+		if d.IsolateEgress {
+			s.Egress.Rules = append(s.Egress.Rules, d.Egress...)
+		}
 	}
 	if !s.Selected && mode == ModeStrict {
 		s.Ingress.Isolated, s.Egress.Isolated = true, true

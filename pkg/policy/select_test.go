@@ -40,7 +40,8 @@ func TestForIdentifier(t *testing.T) {
 		{
 			Source:  "a#0",
 			Selects: []Endpoint{{"web-7f65cc6544-9j58r", "default"}, {"db-0", "data"}},
-			// Only ingress isolated; the egress rule is still kept.
+			// Only ingress isolated: the egress rule counts for nothing,
+			// as in Kubernetes, also where another document isolates egress.
 			IsolateIngress: true,
 			Ingress:        []Rule{allowWeb},
 			Egress:         []Rule{allowDNS},
@@ -69,18 +70,17 @@ func TestForIdentifier(t *testing.T) {
 		want Set
 	}{
 		{
-			"replicas share documents, union of both",
+			"replicas share documents, each counts for what it isolates",
 			id("web-7f65cc6544-zx2k4", "default"), ModeStandard,
 			Set{Mode: ModeStandard, Selected: true,
-				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb, allowMon}},
-				Egress:  DirectionPolicy{Isolated: true, Rules: []Rule{allowDNS}}},
+				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb}},
+				Egress:  DirectionPolicy{Isolated: true}},
 		},
 		{
 			"selected in strict mode: documents decide",
 			id("db-0", "data"), ModeStrict,
 			Set{Mode: ModeStrict, Selected: true,
-				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb}},
-				Egress:  DirectionPolicy{Rules: []Rule{allowDNS}}},
+				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb}}},
 		},
 		{
 			"other namespace",
@@ -154,5 +154,24 @@ func TestLoadAndSelect(t *testing.T) {
 	}
 	if len(v4) != 3 || len(v6) != 1 {
 		t.Errorf("ingress entries v4 %v v6 %v", v4, v6)
+	}
+}
+
+// Documents that isolate the same direction add up: NetworkPolicies are a
+// union.
+func TestForIdentifierUnion(t *testing.T) {
+	a := Rule{CIDR: netip.MustParsePrefix("10.1.0.0/16"), Ports: []PortRange{{ProtocolTCP, 80, 80}}}
+	b := Rule{CIDR: netip.MustParsePrefix("10.2.0.0/16")}
+	sel := []Endpoint{{"db-0", "data"}}
+	docs := []Document{
+		{Source: "u#0", Selects: sel, IsolateIngress: true, Ingress: []Rule{a}},
+		{Source: "u#1", Selects: sel, IsolateIngress: true, IsolateEgress: true, Ingress: []Rule{b}, Egress: []Rule{a}},
+	}
+	got := ForIdentifier(docs, "db-0@data", ModeStandard)
+	want := Set{Mode: ModeStandard, Selected: true,
+		Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{a, b}},
+		Egress:  DirectionPolicy{Isolated: true, Rules: []Rule{a}}}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("got  %+v\nwant %+v", got, want)
 	}
 }
