@@ -113,6 +113,8 @@ type Global struct {
 	NodeAddrs   *ebpf.Map
 	DenyEvents  *ebpf.Map
 	EventBudget *ebpf.Map
+
+	dir string // where they are pinned; SyncNodeAddrs locks it
 }
 
 // OpenGlobal opens the node-wide maps pinned below pinRoot, creating and
@@ -138,6 +140,7 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 		NodeAddrs:   maps[mapNodeAddrs],
 		DenyEvents:  maps[mapDenyEvents],
 		EventBudget: maps[mapEventBudget],
+		dir:         dir,
 	}, nil
 }
 

@@ -3,8 +3,10 @@ package bpf
 import (
 	"fmt"
 	"net/netip"
+	"os"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 )
 
 // NodeAddresses returns the node's own addresses as SetNodeAddrs recorded them.
@@ -22,9 +24,31 @@ func (g *Global) NodeAddresses() ([]netip.Addr, error) {
 	return addrs, nil
 }
 
+// SyncNodeAddrs replaces the set of the node's own addresses with what
+// current returns, under a lock on the global pins that every process
+// syncing them takes: the addresses are read and written in one turn, so a
+// process that read them earlier cannot overwrite a later reading with its
+// own. Identifiers pick the change up at their next ApplyPolicy.
+func (g *Global) SyncNodeAddrs(current func() ([]netip.Addr, error)) error {
+	f, err := os.Open(g.dir)
+	if err != nil {
+		return fmt.Errorf("lock global pins: %w", err)
+	}
+	defer f.Close() // and with it the lock
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		return fmt.Errorf("lock global pins: %w", err)
+	}
+	addrs, err := current()
+	if err != nil {
+		return err
+	}
+	return g.SetNodeAddrs(addrs)
+}
+
 // SetNodeAddrs replaces the set of the node's own addresses, from which
 // traffic to pods is always allowed (kubelet probes). Identifiers pick the
-// change up at their next ApplyPolicy.
+// change up at their next ApplyPolicy. Processes that read the addresses
+// themselves use SyncNodeAddrs.
 func (g *Global) SetNodeAddrs(addrs []netip.Addr) error {
 	want := make(map[[16]byte]bool, len(addrs))
 	for _, a := range addrs {

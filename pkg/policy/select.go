@@ -54,8 +54,21 @@ type DirectionPolicy struct {
 // Set is what the datapath enforces for one identifier.
 type Set struct {
 	Mode            Mode
-	Selected        bool // some document selects the identifier
+	Selected        bool     // some document selects the identifier
+	Sources         []string // the selecting documents ("file#index"), for messages
 	Ingress, Egress DirectionPolicy
+}
+
+// Check compiles both directions as the datapath will, so that a policy it
+// cannot hold (ErrTooManyPortRanges) is refused before anything changes. The
+// error names the documents the set comes from.
+func (s *Set) Check() error {
+	for _, d := range []Direction{Ingress, Egress} {
+		if _, _, err := s.Direction(d).Compile(); err != nil {
+			return fmt.Errorf("%s rules of %v: %w", d, s.Sources, err)
+		}
+	}
+	return nil
 }
 
 // Direction returns the policy of d. It panics on a Direction other than
@@ -91,6 +104,7 @@ func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
 			continue
 		}
 		s.Selected = true
+		s.Sources = append(s.Sources, d.Source)
 		s.Ingress.Isolated = s.Ingress.Isolated || d.IsolateIngress
 		s.Egress.Isolated = s.Egress.Isolated || d.IsolateEgress
 		if d.IsolateIngress {

@@ -72,20 +72,20 @@ func TestForIdentifier(t *testing.T) {
 		{
 			"replicas share documents, each counts for what it isolates",
 			id("web-7f65cc6544-zx2k4", "default"), ModeStandard,
-			Set{Mode: ModeStandard, Selected: true,
+			Set{Mode: ModeStandard, Selected: true, Sources: []string{"a#0", "a#1"},
 				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb}},
 				Egress:  DirectionPolicy{Isolated: true}},
 		},
 		{
 			"selected in strict mode: documents decide",
 			id("db-0", "data"), ModeStrict,
-			Set{Mode: ModeStrict, Selected: true,
+			Set{Mode: ModeStrict, Selected: true, Sources: []string{"a#0"},
 				Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{allowWeb}}},
 		},
 		{
 			"other namespace",
 			id("web-7f65cc6544-9j58r", "other"), ModeStandard,
-			Set{Mode: ModeStandard, Selected: true, Ingress: DirectionPolicy{Isolated: true}, Egress: DirectionPolicy{Isolated: true}},
+			Set{Mode: ModeStandard, Selected: true, Sources: []string{"a#2"}, Ingress: DirectionPolicy{Isolated: true}, Egress: DirectionPolicy{Isolated: true}},
 		},
 		{
 			"not selected, standard: allow all",
@@ -168,7 +168,7 @@ func TestForIdentifierUnion(t *testing.T) {
 		{Source: "u#1", Selects: sel, IsolateIngress: true, IsolateEgress: true, Ingress: []Rule{b}, Egress: []Rule{a}},
 	}
 	got := ForIdentifier(docs, "db-0@data", ModeStandard)
-	want := Set{Mode: ModeStandard, Selected: true,
+	want := Set{Mode: ModeStandard, Selected: true, Sources: []string{"u#0", "u#1"},
 		Ingress: DirectionPolicy{Isolated: true, Rules: []Rule{a, b}},
 		Egress:  DirectionPolicy{Isolated: true, Rules: []Rule{a}}}
 	if !reflect.DeepEqual(got, want) {

@@ -7,7 +7,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -73,16 +72,12 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	}
-	docs, err := policy.LoadDir(conf.PolicyDir)
-	if err != nil {
-		return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
+	// A policy that cannot be read or held fails the ADD before anything
+	// changes in bpffs.
+	if _, err := readPolicy(conf, id); err != nil {
+		return err
 	}
-	set := policy.ForIdentifier(docs, id, conf.mode)
-	nodes, err := nodeAddrs()
-	if err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
-	}
-	call.mark("read-policy")
+	call.mark("check-policy")
 
 	store := membership.New(conf.PinRoot)
 	lock, err := store.Lock(id, true)
@@ -91,6 +86,16 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	defer lock.Unlock()
 	call.mark("lock")
+	// Read again under the lock: ADDs of one identifier apply the policy in
+	// the order they hold it, so an older reading never overwrites a newer.
+	set, err := readPolicy(conf, id)
+	if err != nil {
+		if cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		return err
+	}
+	call.mark("read-policy")
 
 	member := membership.Member{
 		ContainerID: args.ContainerID,
@@ -100,7 +105,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		IPs:         podIPs(prev),
 		AttachMode:  string(mode),
 	}
-	if err := add(conf, call, lock, member, set, nodes); err != nil {
+	if err := add(conf, call, lock, member, set); err != nil {
 		// Leave nothing behind: this member's attachments and record,
 		// and the identifier's pins if no other member uses them.
 		if cerr := removeMember(lock, member); cerr != nil {
@@ -119,13 +124,13 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 // add does ADD's work under the identifier's lock. Its order is what makes
 // a kill at any instant repairable (see package membership): pins, then the
 // member's record, then the attachments.
-func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Member, set policy.Set, nodes []netip.Addr) error {
+func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Member, set policy.Set) error {
 	g, err := bpf.OpenGlobal(conf.PinRoot)
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	defer g.Close()
-	if err := g.SetNodeAddrs(nodes); err != nil {
+	if err := g.SyncNodeAddrs(nodeAddrs); err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	call.mark("open-global")
@@ -161,6 +166,20 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	}
 	call.mark("attach")
 	return nil
+}
+
+// readPolicy is what policyDir says for id; a document that cannot be
+// read, or a policy the datapath cannot hold, is a policy error (101).
+func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
+	docs, err := policy.LoadDir(conf.PolicyDir)
+	if err != nil {
+		return policy.Set{}, types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
+	}
+	set := policy.ForIdentifier(docs, id, conf.mode)
+	if err := set.Check(); err != nil {
+		return policy.Set{}, types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
+	}
+	return set, nil
 }
 
 type hookPin struct {

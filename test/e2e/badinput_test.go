@@ -118,6 +118,8 @@ spec:
   ingress: [{cidr: 10.0.0.300/8}]
 `}, msgs: []string{"broken.yaml#1", "cidr", "10.0.0.300/8"}},
 		{name: "policy syntax", code: 101, policy: [2]string{"syntax.json", `{"apiVersion": "networking.k8s.aws/v1alpha1",`}, msgs: []string{"syntax.json#0"}},
+		{name: "more port ranges than the datapath holds", code: 101, policy: [2]string{"ports.yaml", tooManyPorts()},
+			msgs: []string{"ports.yaml#0", "10.9.0.0/16", "65 port ranges", "at most 64"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			list := lcList(t, c, "1.0.0", tc.edit, tc.keep)
@@ -323,4 +325,24 @@ func TestBadInputDirect(t *testing.T) {
 	if ids := lcIdentifiers(t, c); len(ids) != 0 {
 		t.Errorf("identifiers %v", ids)
 	}
+}
+
+// tooManyPorts selects the web replicas with one CIDR and 65 separate ports,
+// one more than a datapath entry holds.
+func tooManyPorts() string {
+	var b strings.Builder
+	b.WriteString(`apiVersion: networking.k8s.aws/v1alpha1
+kind: PolicyEndpoint
+metadata: {name: ports, namespace: default}
+spec:
+  podIsolation: [Ingress]
+  podSelectorEndpoints: [{name: web-7f65cc6544-9j58r, namespace: default}]
+  ingress:
+  - cidr: 10.9.0.0/16
+    ports:
+`)
+	for i := 0; i < 65; i++ {
+		fmt.Fprintf(&b, "    - {protocol: TCP, port: %d}\n", 1000+2*i)
+	}
+	return b.String()
 }
