@@ -45,6 +45,10 @@ func TestMain(m *testing.M) {
 	} {
 		build := exec.Command("go", "build", "-o", filepath.Join(dir, filepath.Base(pkg)), pkg)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0") // static, as make build makes it
+		if raceDetector && strings.HasSuffix(pkg, "/podfence") {
+			build.Args = append(build.Args[:2], append([]string{"-race"}, build.Args[2:]...)...)
+			build.Env = append(os.Environ(), "CGO_ENABLED=1") // -race needs cgo
+		}
 		out, err := build.CombinedOutput()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "build %s: %v\n%s", pkg, err, out)
