@@ -422,7 +422,16 @@ func RemoveIdentifier(pinRoot string, id podid.ID) error {
 	if !podid.Valid(string(id)) {
 		return fmt.Errorf("remove identifier %q: %w", id, podid.ErrInvalid)
 	}
-	if err := os.RemoveAll(IdentifierDir(pinRoot, id)); err != nil {
+	dir := IdentifierDir(pinRoot, id)
+	// The programs go first. A removal killed midway then leaves maps
+	// without programs, which the next OpenIdentifier completes; programs
+	// whose maps are no longer pinned it would refuse (ErrIncompatiblePin).
+	for _, pin := range []string{ProgIngressPin, ProgEgressPin} {
+		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("remove identifier %q: %w", id, err)
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("remove identifier %q: %w", id, err)
 	}
 	return nil

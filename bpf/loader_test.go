@@ -111,8 +111,26 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 	if err != nil {
 		t.Fatalf("open after a half-finished load: %v", err)
 	}
-	defer again.Close()
+	again.Close()
 	for _, pin := range []string{ProgIngressPin, ProgEgressPin} {
+		if _, err := os.Stat(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+			t.Errorf("pin %s missing after repair: %v", pin, err)
+		}
+	}
+
+	// A RemoveIdentifier killed midway leaves some maps and no programs
+	// (it removes the programs first).
+	for _, pin := range []string{ProgIngressPin, ProgEgressPin, "pol_in_v4", "counters"} {
+		if err := os.Remove(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	again, err = OpenIdentifier(g, root, id)
+	if err != nil {
+		t.Fatalf("open after a half-finished removal: %v", err)
+	}
+	defer again.Close()
+	for _, pin := range []string{ProgIngressPin, ProgEgressPin, "pol_in_v4", "counters"} {
 		if _, err := os.Stat(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
 			t.Errorf("pin %s missing after repair: %v", pin, err)
 		}
