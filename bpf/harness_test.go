@@ -42,10 +42,11 @@ func (h *harness) apply(tb testing.TB, set policy.Set) {
 	}
 }
 
-// flushCT empties both conntrack maps so that cases do not see each other's flows.
+// flushCT empties both conntrack maps and the fragment map, so that cases
+// do not see each other's flows.
 func (h *harness) flushCT(tb testing.TB) {
 	tb.Helper()
-	for _, m := range []*ebpf.Map{h.g.CTv4, h.g.CTv6} {
+	for _, m := range []*ebpf.Map{h.g.CTv4, h.g.CTv6, h.g.Frags} {
 		var keys [][]byte
 		k := make([]byte, m.KeySize())
 		v := make([]byte, m.ValueSize())

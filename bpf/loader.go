@@ -42,6 +42,7 @@ const (
 	mapNodeAddrs   = "node_addrs"
 	mapDenyEvents  = "deny_events"
 	mapEventBudget = "event_budget"
+	mapFrags       = "frags"
 	mapState       = "state"
 	mapCounters    = "counters"
 
@@ -49,7 +50,7 @@ const (
 	progEgress  = "pod_egress"
 )
 
-var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget}
+var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget, mapFrags}
 
 // policyMaps are indexed by [direction][family], family 0 for IPv4, 1 for IPv6.
 var policyMaps = [2][2]string{
@@ -113,6 +114,7 @@ type Global struct {
 	NodeAddrs   *ebpf.Map
 	DenyEvents  *ebpf.Map
 	EventBudget *ebpf.Map
+	Frags       *ebpf.Map
 
 	dir string // where they are pinned; SyncNodeAddrs locks it
 }
@@ -140,6 +142,7 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 		NodeAddrs:   maps[mapNodeAddrs],
 		DenyEvents:  maps[mapDenyEvents],
 		EventBudget: maps[mapEventBudget],
+		Frags:       maps[mapFrags],
 		dir:         dir,
 	}, nil
 }
@@ -186,9 +189,14 @@ func openPinnedMap(name, dir string) (*ebpf.Map, error) {
 
 // Close releases the file descriptors; the pins stay.
 func (g *Global) Close() error {
-	return closeAll(g.CTv4, g.CTv6, g.NodeAddrs, g.DenyEvents, g.EventBudget)
+	var maps []*ebpf.Map
+	for _, m := range g.replacements() {
+		maps = append(maps, m)
+	}
+	return closeAll(maps...)
 }
 
+// replacements are the global maps by name, as the object file calls them.
 func (g *Global) replacements() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
 		mapCTv4:        g.CTv4,
@@ -196,6 +204,7 @@ func (g *Global) replacements() map[string]*ebpf.Map {
 		mapNodeAddrs:   g.NodeAddrs,
 		mapDenyEvents:  g.DenyEvents,
 		mapEventBudget: g.EventBudget,
+		mapFrags:       g.Frags,
 	}
 }
 
@@ -299,7 +308,11 @@ func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
 		return false, nil
 	}
 	want := map[ebpf.MapID]bool{}
-	for _, m := range append(i.maps(), g.CTv4, g.CTv6, g.NodeAddrs, g.DenyEvents, g.EventBudget) {
+	maps := i.maps()
+	for _, m := range g.replacements() {
+		maps = append(maps, m)
+	}
+	for _, m := range maps {
 		info, err := m.Info()
 		if err != nil {
 			closeAll(ingress, egress)

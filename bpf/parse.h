@@ -40,10 +40,18 @@ struct quoted {
 	__u8 proto;
 };
 
+enum frag_kind {
+	FRAG_NONE = 0,  // a whole datagram
+	FRAG_FIRST = 1, // offset 0 with more to come: carries the ports
+	FRAG_LATER = 2, // no transport header: ports come from the first (see frag_ports)
+};
+
 struct flow {
 	union ip_addr src, dst; // network byte order
-	__u16 sport; // host byte order; ICMP echo identifier; 0 for non-first fragments
+	__u16 sport; // host byte order; ICMP echo identifier; 0 for later fragments
 	__u16 dport;
+	__u32 frag_id; // the datagram's identification (network order), for fragments
+	__u8 frag;     // enum frag_kind
 	__u8 family; // 4 or 6
 	__u8 proto;
 	__u8 opens;  // a TCP SYN without ACK: the first packet of a connection
@@ -87,11 +95,19 @@ struct quoted_l4 {
 	__be16 seq;
 };
 
+// The first 8 bytes of an IPv6 extension header, which every kind has.
 struct ext_hdr {
 	__u8 nexthdr;
 	__u8 hdrlen;
 	__be16 frag_off; // fragment header only
+	__be32 frag_id;  // fragment header only
 };
+
+// is_zero is 1 when x (below 2^31) is 0, else 0, without a branch.
+static __always_inline __u32 is_zero(__u32 x)
+{
+	return (x - 1) >> 31;
+}
 
 static __always_inline int is_echo(__u8 type)
 {
@@ -229,6 +245,11 @@ static __always_inline int parse_ipv4(void *data, void *end, struct flow *f)
 	f->proto = ip->protocol;
 	f->src.v4 = ip->saddr;
 	f->dst.v4 = ip->daddr;
+	// MF or an offset makes a fragment (rare: one test on the common path).
+	if (ip->frag_off & bpf_htons(0x3fff)) {
+		f->frag = (ip->frag_off & bpf_htons(0x1fff)) ? FRAG_LATER : FRAG_FIRST;
+		f->frag_id = ip->id;
+	}
 	return parse_l4(l4, sizeof(struct ethhdr) + ip->ihl * 4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
 }
 
@@ -243,12 +264,6 @@ static __always_inline __u32 bounded(__u32 off)
 	// redundant after the caller's check.
 	asm volatile("" : "+r"(off));
 	return off & (2 * PULL_LEN - 1);
-}
-
-// is_zero is 1 when x (below 2^31) is 0, else 0, without a branch.
-static __always_inline __u32 is_zero(__u32 x)
-{
-	return (x - 1) >> 31;
 }
 
 static __always_inline int is_ext_hdr(__u32 next)
@@ -286,8 +301,14 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 		// here with ports 0.
 		if (is_frag && (h->frag_off & bpf_htons(0xfff8))) {
 			f->proto = h->nexthdr;
+			f->frag = FRAG_LATER;
+			f->frag_id = h->frag_id;
 			return PARSE_OK;
 		}
+		// A first fragment has the M flag; its identification is kept
+		// (masks, not branches, as above).
+		f->frag |= is_frag & bpf_ntohs(h->frag_off);
+		f->frag_id = (f->frag_id & (is_frag - 1)) | (h->frag_id & -is_frag);
 		// The length without a branch per header type, so the verifier
 		// follows one path through each iteration instead of three:
 		// AH counts 4-byte units less 2, the others 8-byte units less 1,
@@ -328,6 +349,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 	f->opens = 0;
 	f->is_icmp_error = 0;
 	f->is_nd = 0;
+	f->frag = FRAG_NONE;
+	f->frag_id = 0;
 
 	if (linear < skb->len && linear < PULL_LEN) {
 		bpf_skb_pull_data(skb, skb->len < PULL_LEN ? skb->len : PULL_LEN);

@@ -45,6 +45,15 @@ struct {
 	__type(value, struct ct_value);
 } ct_v6 SEC(".maps");
 
+// Ports of fragmented datagrams, recorded from each first fragment so that
+// the later ones, which carry no transport header, are judged with them.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct frag_key);
+	__type(value, struct frag_ports);
+} frags SEC(".maps");
+
 // The node's own addresses (IPv4 as IPv4-mapped IPv6), from which kubelet
 // probes come. The programs do not read it: the loader copies these
 // addresses into every identifier's ingress tries (POLICY_NODE entries), so
@@ -319,6 +328,29 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 	return VERDICT_ALLOW;
 }
 
+// frag_ports gives a later fragment the ports of its datagram's first
+// fragment, which it records. A later fragment whose first was not seen
+// (lost, reordered, or older than the map's memory) keeps ports 0, so only
+// rules without a port restriction can allow it. Every fragment of a
+// datagram goes the same way through the same veth, so the key needs no
+// direction.
+static __always_inline void frag_ports(const int family, struct flow *f)
+{
+	struct frag_key k = {.id = f->frag_id, .proto = f->proto, .family = family};
+	__builtin_memcpy(k.src, f->src.v6, family == 4 ? 4 : 16);
+	__builtin_memcpy(k.dst, f->dst.v6, family == 4 ? 4 : 16);
+	if (f->frag == FRAG_FIRST) {
+		struct frag_ports p = {.sport = f->sport, .dport = f->dport};
+		bpf_map_update_elem(&frags, &k, &p, BPF_ANY);
+		return;
+	}
+	struct frag_ports *p = bpf_map_lookup_elem(&frags, &k);
+	if (p) {
+		f->sport = p->sport;
+		f->dport = p->dport;
+	}
+}
+
 // enforce_family is specialised by the compiler per direction and family
 // (both are constants), so the conntrack map references are constants too.
 // Policy is evaluated at one place, for new flows and for tracked flows whose
@@ -327,6 +359,8 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
 					  struct flow *f, struct id_state *st)
 {
+	if (f->frag)
+		frag_ports(family, f);
 	if (f->is_icmp_error && is_related(skb, dir, family, f, st)) {
 		count(dir, REASON_CT_RELATED);
 		return VERDICT_ALLOW;

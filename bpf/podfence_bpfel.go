@@ -49,6 +49,22 @@ type podfenceEventBudget struct {
 	Tokens uint64
 }
 
+type podfenceFragKey struct {
+	_      structs.HostLayout
+	Src    [16]uint8
+	Dst    [16]uint8
+	Id     uint32
+	Proto  uint8
+	Family uint8
+	Pad    [2]uint8
+}
+
+type podfenceFragPorts struct {
+	_     structs.HostLayout
+	Sport uint16
+	Dport uint16
+}
+
 type podfenceIdState struct {
 	_          structs.HostLayout
 	Generation uint32
@@ -93,6 +109,7 @@ const (
 	podfenceMapCtV6        = "ct_v6"
 	podfenceMapDenyEvents  = "deny_events"
 	podfenceMapEventBudget = "event_budget"
+	podfenceMapFrags       = "frags"
 	podfenceMapNodeAddrs   = "node_addrs"
 	podfenceMapPolEgV4     = "pol_eg_v4"
 	podfenceMapPolEgV6     = "pol_eg_v6"
@@ -159,6 +176,7 @@ type podfenceMapSpecs struct {
 	CtV6        *ebpf.MapSpec `ebpf:"ct_v6"`
 	DenyEvents  *ebpf.MapSpec `ebpf:"deny_events"`
 	EventBudget *ebpf.MapSpec `ebpf:"event_budget"`
+	Frags       *ebpf.MapSpec `ebpf:"frags"`
 	NodeAddrs   *ebpf.MapSpec `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.MapSpec `ebpf:"pol_eg_v4"`
 	PolEgV6     *ebpf.MapSpec `ebpf:"pol_eg_v6"`
@@ -199,6 +217,7 @@ type podfenceMaps struct {
 	CtV6        *ebpf.Map `ebpf:"ct_v6"`
 	DenyEvents  *ebpf.Map `ebpf:"deny_events"`
 	EventBudget *ebpf.Map `ebpf:"event_budget"`
+	Frags       *ebpf.Map `ebpf:"frags"`
 	NodeAddrs   *ebpf.Map `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.Map `ebpf:"pol_eg_v4"`
 	PolEgV6     *ebpf.Map `ebpf:"pol_eg_v6"`
@@ -214,6 +233,7 @@ func (m *podfenceMaps) Close() error {
 		m.CtV6,
 		m.DenyEvents,
 		m.EventBudget,
+		m.Frags,
 		m.NodeAddrs,
 		m.PolEgV4,
 		m.PolEgV6,

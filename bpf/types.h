@@ -109,6 +109,23 @@ struct ct_value {
 	__u8 pad[3];
 };
 
+// Key of the datagrams whose first fragment was seen: what identifies a
+// datagram (RFC 791, RFC 8200) with IPv4 addresses in the first 4 bytes.
+struct frag_key {
+	__u8 src[16];
+	__u8 dst[16];
+	__u32 id; // IPv4 identification (16 bits) or IPv6 fragment identification
+	__u8 proto;
+	__u8 family;
+	__u8 pad[2];
+};
+
+// The ports a datagram's first fragment carried, for its later fragments.
+struct frag_ports {
+	__u16 sport;
+	__u16 dport;
+};
+
 // A denied packet, as the sweeper's trace command reads it from the ring buffer.
 struct deny_event {
 	__u64 timestamp_ns;

@@ -45,6 +45,11 @@ func raw(d policy.Direction, frame []byte, want Reason) step {
 
 func change(s policy.Set) step { return step{apply: &s} }
 
+func withID(p packet.Packet, id uint16) packet.Packet {
+	p.IPID = id
+	return p
+}
+
 // nd is an ICMPv6 message of type typ with the given hop limit.
 func nd(src, dst string, typ, hopLimit uint8) packet.Packet {
 	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: 58, ICMPType: typ, TTL: hopLimit}
@@ -300,6 +305,31 @@ func verdictCases() []verdictCase {
 		{"v4 later fragment under portless rule", isolate(rules(rule("10.1.0.0/16")), nil), []step{send(in, frag4(tcpIn, 100, true), ReasonPolicyAllow)}},
 		{"v4 later fragment under protocol-only rule", isolate(rules(rule("10.1.0.0/16", ports(policy.ProtocolUDP, 0, 65535))), nil), []step{
 			send(in, frag4(udp(peer4, pod4, 1, 53), 100, false), ReasonPolicyAllow)}},
+
+		// Later fragments take the ports their datagram's first fragment
+		// carried; without a first fragment seen they have none.
+		{"v4 later fragment follows its first", isolate(rules(rule("10.1.0.0/16", udpPort(53))), nil), []step{
+			send(in, frag4(udp(peer4, pod4, 5353, 53), 0, true), ReasonPolicyAllow),
+			send(in, frag4(udp(peer4, pod4, 5353, 53), 100, true), ReasonCTEstablished),
+			send(in, frag4(udp(peer4, pod4, 5353, 53), 200, false), ReasonCTEstablished),
+			send(in, withID(frag4(udp(peer4, pod4, 5353, 53), 100, false), 7), ReasonPolicyDeny)}},
+		{"v4 later fragment of a denied first is denied", isolate(rules(rule("10.1.0.0/16", udpPort(53))), nil), []step{
+			send(in, frag4(udp(peer4, pod4, 5353, 54), 0, true), ReasonPolicyDeny),
+			send(in, frag4(udp(peer4, pod4, 5353, 54), 100, false), ReasonPolicyDeny)}},
+		{"v4 fragmented reply passes isolated ingress", isolate(rules(), rules(rule("10.1.0.0/16", udpPort(53)))), []step{
+			send(out, udp(pod4, peer4, 3333, 53), ReasonPolicyAllow),
+			send(in, frag4(udp(peer4, pod4, 53, 3333), 0, true), ReasonCTReply),
+			send(in, frag4(udp(peer4, pod4, 53, 3333), 185, false), ReasonCTReply)}},
+		{"v6 later fragment follows its first", isolate(rules(rule("fd01::/64", udpPort(53))), nil), []step{
+			send(in, ext(udp(peer6, pod6, 5353, 53), frag6first), ReasonPolicyAllow),
+			send(in, ext(udp(peer6, pod6, 5353, 53), frag6), ReasonCTEstablished),
+			send(in, ext(udp(peer6, pod6, 5353, 53), packet.ExtHeader{Type: 44, FragOffset: 10, FragID: 9}), ReasonPolicyDeny)}},
+		{"v6 fragment after a hop-by-hop header follows its first", isolate(rules(rule("fd01::/64", udpPort(53))), nil), []step{
+			send(in, ext(udp(peer6, pod6, 5353, 53), extHdrs(0)[0], frag6first), ReasonPolicyAllow),
+			send(in, ext(udp(peer6, pod6, 5353, 53), extHdrs(0)[0], frag6), ReasonCTEstablished)}},
+		{"whole datagrams record nothing", isolate(rules(rule("10.1.0.0/16", udpPort(53))), nil), []step{
+			send(in, udp(peer4, pod4, 5353, 53), ReasonPolicyAllow),
+			send(in, withID(frag4(udp(peer4, pod4, 5353, 53), 100, false), 0x4242), ReasonPolicyDeny)}},
 
 		// IPv6 rules and extension headers.
 		{"v6 allow and deny", web80v6, []step{send(in, tcpIn6, ReasonPolicyAllow), send(in, tcp(peer6, pod6, 1, 81), ReasonPolicyDeny),

@@ -57,7 +57,11 @@ func (p Packet) ipv4Header(src, dst netip.Addr, l4Len int) []byte {
 	h := make([]byte, ipv4HeaderLen, hlen)
 	h[0] = 4<<4 | byte(hlen/4)
 	binary.BigEndian.PutUint16(h[2:], uint16(total))
-	binary.BigEndian.PutUint16(h[4:], ipv4ID)
+	id := p.IPID
+	if id == 0 {
+		id = ipv4ID
+	}
+	binary.BigEndian.PutUint16(h[4:], id)
 	binary.BigEndian.PutUint16(h[6:], frag)
 	h[8] = p.ttl()
 	h[9] = p.Proto
@@ -111,8 +115,8 @@ func (p Packet) extHeaders() (b []byte, laterFragment bool) {
 
 // marshal encodes the header with the given Next Header.
 func (e ExtHeader) marshal(next uint8) []byte {
-	if e.Type != extFragment && (e.FragOffset != 0 || e.MoreFragments) {
-		panic(fmt.Sprintf("packet: FragOffset and MoreFragments set on extension header type %d, not 44", e.Type))
+	if e.Type != extFragment && (e.FragOffset != 0 || e.MoreFragments || e.FragID != 0) {
+		panic(fmt.Sprintf("packet: FragOffset, MoreFragments or FragID set on extension header type %d, not 44", e.Type))
 	}
 	switch e.Type {
 	case extFragment:
@@ -129,7 +133,11 @@ func (e ExtHeader) marshal(next uint8) []byte {
 			off |= 1
 		}
 		binary.BigEndian.PutUint16(b[2:], off)
-		binary.BigEndian.PutUint32(b[4:], ipv6FragmentID)
+		id := e.FragID
+		if id == 0 {
+			id = ipv6FragmentID
+		}
+		binary.BigEndian.PutUint32(b[4:], id)
 		return b
 	case extAH:
 		n := e.Len

@@ -83,6 +83,8 @@ type Packet struct {
 	// MoreFragments sets the IPv4 MF flag. Fragmenting IPv6 needs an
 	// ExtHeader of type 44; both fields panic on IPv6.
 	MoreFragments bool
+	// IPID is the IPv4 identification; zero means 0x4242.
+	IPID uint16
 	// Payload follows the L4 header (or the IP header when there is none).
 	Payload []byte
 	// TTL is the IPv4 TTL or IPv6 hop limit; zero means 64.
@@ -108,6 +110,9 @@ type ExtHeader struct {
 	FragOffset uint16
 	// MoreFragments sets the M flag; Type 44 only.
 	MoreFragments bool
+	// FragID is the fragment identification; Type 44 only. Zero means
+	// 0x42424242.
+	FragID uint32
 }
 
 // Marshal returns the frame: Ethernet (to 02:00:00:00:00:02 from

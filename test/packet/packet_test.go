@@ -638,3 +638,22 @@ func TestICMPError(t *testing.T) {
 		})
 	}
 }
+
+func TestIdentification(t *testing.T) {
+	for _, c := range []struct {
+		id, want uint16
+	}{{0, 0x4242}, {7, 7}} {
+		frame := Packet{Src: v4a, Dst: v4b, Proto: 17, IPID: c.id}.Marshal()
+		if got := binary.BigEndian.Uint16(frame[14+4:]); got != c.want {
+			t.Errorf("IPID %d: identification %#x, want %#x", c.id, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		id, want uint32
+	}{{0, 0x42424242}, {9, 9}} {
+		frame := Packet{Src: v6a, Dst: v6b, Proto: 17, ExtHeaders: []ExtHeader{{Type: 44, FragID: c.id}}}.Marshal()
+		if got := binary.BigEndian.Uint32(frame[14+40+4:]); got != c.want {
+			t.Errorf("FragID %d: identification %#x, want %#x", c.id, got, c.want)
+		}
+	}
+}
