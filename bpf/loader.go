@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 
@@ -51,6 +52,10 @@ const (
 )
 
 var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget, mapFrags}
+
+// GlobalPins are the names of the node-wide pins below the pin root's
+// GlobalDir, for tools that check what a pin root holds.
+func GlobalPins() []string { return slices.Clone(globalMaps) }
 
 // policyMaps are indexed by [direction][family], family 0 for IPv4, 1 for IPv6.
 var policyMaps = [2][2]string{

@@ -430,7 +430,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 	})
 	if entries, err := os.ReadDir(filepath.Join(c.pinRoot, bpf.GlobalDir)); err == nil {
 		for _, en := range entries {
-			if !slices.Contains([]string{"ct_v4", "ct_v6", "node_addrs", "deny_events", "event_budget"}, en.Name()) {
+			if !slices.Contains(bpf.GlobalPins(), en.Name()) {
 				errorf("unexpected global pin %s", en.Name())
 			}
 		}
