@@ -434,6 +434,28 @@ func (i *Identifier) Close() error {
 	return errors.Join(err, closeAll(i.Ingress, i.Egress))
 }
 
+// RemoveObjects removes id's pinned programs and maps but leaves its
+// directory (the membership lock's) and what else it holds, so that the
+// next OpenIdentifier loads them afresh. Only a caller that knows no member
+// uses them may call it: attached hooks keep the old objects alive, but
+// they would no longer be the identifier's.
+func RemoveObjects(pinRoot string, id podid.ID) error {
+	if !podid.Valid(string(id)) {
+		return fmt.Errorf("remove objects of %q: %w", id, podid.ErrInvalid)
+	}
+	dir := IdentifierDir(pinRoot, id)
+	pins := []string{ProgIngressPin, ProgEgressPin, mapState, mapCounters} // programs first, as in RemoveIdentifier
+	for d := range policyMaps {
+		pins = append(pins, policyMaps[d][:]...)
+	}
+	for _, pin := range pins {
+		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("remove objects of %q: %w", id, err)
+		}
+	}
+	return nil
+}
+
 // RemoveIdentifier removes every pin of id. Attached hooks keep their
 // programs alive until they are detached; call it only once no member is left.
 func RemoveIdentifier(pinRoot string, id podid.ID) error {

@@ -18,9 +18,10 @@ type call struct {
 	ifname    string
 	start     time.Time
 
-	id     podid.ID
-	veth   string
-	action string
+	id       podid.ID
+	veth     string
+	action   string
+	replaced string // pins this call replaced, and why
 
 	last   time.Time
 	phases []any // name, milliseconds, name, milliseconds...
@@ -56,6 +57,9 @@ func (c *call) finish(err error) {
 		"cmd", c.cmd, "container", c.container, "ifname", c.ifname,
 		"identifier", string(c.id), "veth", c.veth, "action", c.action,
 		"duration_ms", float64(time.Since(c.start).Microseconds()) / 1000,
+	}
+	if c.replaced != "" {
+		attrs = append(attrs, "replaced_unused_pins", c.replaced)
 	}
 	if len(c.phases) > 0 {
 		attrs = append(attrs, slog.Group("phases_ms", c.phases...))

@@ -135,6 +135,9 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	}
 	call.mark("open-global")
 	ident, err := bpf.OpenIdentifier(g, conf.PinRoot, lock.ID)
+	if errors.Is(err, bpf.ErrIncompatiblePin) {
+		ident, err = replaceUnusedObjects(g, conf.PinRoot, lock, call, err)
+	}
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
@@ -166,6 +169,26 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	}
 	call.mark("attach")
 	return nil
+}
+
+// replaceUnusedObjects handles pins of the identifier that this build
+// cannot use (another build's, say): when no member uses them, nothing
+// attached does either (see package membership), so they are replaced.
+// With members they stay, and the ADD fails with incompatible's error: a
+// live datapath is never swapped silently.
+func replaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, call *call, incompatible error) (*bpf.Identifier, error) {
+	sc, err := lock.Scan()
+	if err != nil {
+		return nil, errors.Join(incompatible, err)
+	}
+	if sc.InUse() {
+		return nil, fmt.Errorf("%w (in use by %d members; it is replaced once they are gone)", incompatible, len(sc.Members)+len(sc.Unreadable))
+	}
+	if err := bpf.RemoveObjects(pinRoot, lock.ID); err != nil {
+		return nil, errors.Join(incompatible, err)
+	}
+	call.replaced = incompatible.Error()
+	return bpf.OpenIdentifier(g, pinRoot, lock.ID)
 }
 
 // readPolicy is what policyDir says for id; a document that cannot be

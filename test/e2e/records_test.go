@@ -3,8 +3,10 @@ package e2e
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/podfence/podfence/bpf"
@@ -49,4 +51,48 @@ func TestUnreadableRecordKeepsPins(t *testing.T) {
 	if exists(c.identifierDir(webID)) {
 		t.Errorf("identifier left after GC dropped its only member: %s", listDir(c.identifierDir(webID)))
 	}
+}
+
+// TestIncompatibleIdentifierPins: pins of an identifier that this build
+// cannot use (another build's, say) are replaced when no member uses them,
+// and refused with a clear error while one does.
+func TestIncompatibleIdentifierPins(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	pinWrongCounters := func() {
+		t.Helper()
+		dir := c.identifierDir(webID)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		_ = os.Remove(filepath.Join(dir, "counters"))
+		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 8, MaxEntries: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		if err := m.Pin(filepath.Join(dir, "counters")); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Unused: replaced, and the ADD succeeds with a datapath of this build.
+	pinWrongCounters()
+	a := c.addPod(webReplicas[0], "default")
+	lcRequireEnforced(t, c, a)
+	if log, _ := os.ReadFile(c.logFile); !strings.Contains(string(log), `"replaced_unused_pins"`) {
+		t.Errorf("the log does not say that the pins were replaced:\n%s", log)
+	}
+
+	// In use by a: refused, and a's datapath is left as it was.
+	in, eg, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pinWrongCounters()
+	_, err = c.tryAddPod(webReplicas[1], "default")
+	lcWantCNIError(t, err, 102, "counters", "incompatible pin", "in use by 1 members")
+	if in2, eg2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || in2 != in || eg2 != eg {
+		t.Errorf("programs of the live identifier changed: %d/%d -> %d/%d (%v)", in, eg, in2, eg2, err)
+	}
+	lcRequireEnforced(t, c, a)
 }
