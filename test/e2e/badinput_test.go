@@ -330,19 +330,12 @@ func TestBadInputDirect(t *testing.T) {
 // tooManyPorts selects the web replicas with one CIDR and 65 separate ports,
 // one more than a datapath entry holds.
 func tooManyPorts() string {
-	var b strings.Builder
-	b.WriteString(`apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: ports, namespace: default}
-spec:
-  podIsolation: [Ingress]
-  podSelectorEndpoints: [{name: web-7f65cc6544-9j58r, namespace: default}]
-  ingress:
-  - cidr: 10.9.0.0/16
-    ports:
-`)
-	for i := 0; i < 65; i++ {
-		fmt.Fprintf(&b, "    - {protocol: TCP, port: %d}\n", 1000+2*i)
+	var ports []uint16
+	for i := uint16(0); i < 65; i++ {
+		ports = append(ports, 1000+2*i)
 	}
-	return b.String()
+	return endpointDoc{
+		name: "ports", pods: []string{webReplicas[0]}, isolate: []string{"Ingress"},
+		ingress: []docRule{tcpRule("10.9.0.0/16", ports...)},
+	}.String()
 }

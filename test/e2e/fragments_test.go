@@ -27,16 +27,7 @@ func TestFragmentedReplyReachesIsolatedPod(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			c := newCluster(t, mode)
 			server := c.addPod("server", "default")
-			c.writePolicy("client", fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: client, namespace: default}
-spec:
-  podIsolation: [Ingress, Egress]
-  podSelectorEndpoints: [{name: client, namespace: default}]
-  egress:
-  - cidr: %s/32
-    ports: [{protocol: UDP, port: %d}]
-`, server.ip, port))
+			c.writePolicy("client", egressOnly("client", protoRule(server.ip.String()+"/32", "UDP", port)))
 			client := c.addPod("client", "default")
 			udpAnswer(t, server.netns, port, answer)
 

@@ -251,22 +251,6 @@ func exists(path string) bool {
 	return err == nil
 }
 
-// allowFrom is a PolicyEndpoint isolating the ingress of the named pods
-// (namespace default) and allowing TCP to port from the given clients.
-func allowFrom(selected []string, port uint16, clients ...*pod) string {
-	var b strings.Builder
-	b.WriteString("apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\n")
-	b.WriteString("metadata: {name: allow, namespace: default}\nspec:\n  podIsolation: [Ingress]\n  podSelectorEndpoints:\n")
-	for _, name := range selected {
-		fmt.Fprintf(&b, "  - {name: %s, namespace: default}\n", name)
-	}
-	b.WriteString("  ingress:\n")
-	for _, cl := range clients {
-		fmt.Fprintf(&b, "  - cidr: %s/32\n    ports: [{protocol: TCP, port: %d}]\n", cl.ip, port)
-	}
-	return b.String()
-}
-
 // attachModes are the modes this kernel can run: tc always, tcx from 6.6.
 func attachModes(t testing.TB) []string {
 	modes := []string{"tc"}

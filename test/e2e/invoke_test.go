@@ -93,22 +93,6 @@ func replicaNames(rng *rand.Rand, workload string, n int) []string {
 	return names
 }
 
-// selectPolicy is a PolicyEndpoint that selects the workloads of the named
-// pods and isolates both directions, so that ADD writes real entries into
-// the identifier's tries.
-func selectPolicy(pods ...string) string {
-	var b strings.Builder
-	b.WriteString("apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\n")
-	b.WriteString("metadata: {name: select, namespace: default}\nspec:\n  podIsolation: [Ingress, Egress]\n  podSelectorEndpoints:\n")
-	for _, p := range pods {
-		fmt.Fprintf(&b, "  - {name: %s, namespace: default}\n", p)
-	}
-	b.WriteString("  ingress:\n  - cidr: 10.77.0.0/16\n    ports: [{protocol: TCP, port: 8080}]\n")
-	b.WriteString("  - cidr: fd77::/64\n    except: [fd77::1/128]\n    ports: [{protocol: UDP, port: 53, endPort: 60}]\n")
-	b.WriteString("  egress:\n  - cidr: 10.77.0.0/16\n    ports: [{protocol: TCP, port: 8080}]\n")
-	return b.String()
-}
-
 // slot is a pod sandbox made once and used by many containers in turn: a
 // network namespace with eth0, joined by a veth to the node namespace.
 type slot struct {

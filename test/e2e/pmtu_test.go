@@ -50,7 +50,7 @@ func TestPathMTUThroughClosedIngress(t *testing.T) {
 			router, server := netnsutil.New(t), netnsutil.New(t)
 			buildRoutedPath(t, c.node, router, server)
 
-			c.writePolicy("client", egressOnlyTo("client", serverAddr.Masked(), bulkPort))
+			c.writePolicy("client", egressOnly("client", tcpRule(serverAddr.Masked().String(), bulkPort)))
 			client := c.addPod("client", "default")
 			routeLikeCluster(t, client.netns, serverAddr.Masked())
 

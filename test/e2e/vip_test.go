@@ -5,9 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -41,7 +39,8 @@ func TestServiceVIPConnection(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			c := newCluster(t, mode)
 			const clientID = "client@default"
-			c.writePolicy("client", egressOnlyTo("client", serviceVIP, servicePort))
+			toVIP := tcpRule(serviceVIP.String(), servicePort)
+			c.writePolicy("client", egressOnly("client", toVIP))
 			client := c.addPod("client", "default")
 			stranger := c.addPod("stranger", "default")
 			c.writePolicy("web", backendPolicy(client.ip, backendPort))
@@ -74,7 +73,7 @@ func TestServiceVIPConnection(t *testing.T) {
 			// router solicitations may be denied meanwhile.)
 			c.writePolicy("web", backendPolicy(client.ip, backendPort, backendPort+1))
 			c.applyPolicy(t, webID)
-			c.writePolicy("client", mustRead(t, c.policyDir, "client")+"  - cidr: 10.97.0.0/16\n")
+			c.writePolicy("client", egressOnly("client", toVIP, docRule{cidr: "10.97.0.0/16"}))
 			c.applyPolicy(t, clientID)
 			before := map[podid.ID]bpf.Counters{webID: c.counters(t, webID), clientID: c.counters(t, clientID)}
 			if err := conn.roundTrip("after an unrelated change"); err != nil {
@@ -108,48 +107,13 @@ func TestServiceVIPConnection(t *testing.T) {
 	}
 }
 
-// egressOnlyTo selects the bare pod name, isolates both directions and lets
-// it reach dst on a TCP port; nothing may come in but replies.
-func egressOnlyTo(name string, dst netip.Prefix, port uint16) string {
-	return fmt.Sprintf(`apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: %[1]s, namespace: default}
-spec:
-  podIsolation: [Ingress, Egress]
-  podSelectorEndpoints: [{name: %[1]s, namespace: default}]
-  egress:
-  - cidr: %[2]s
-    ports: [{protocol: TCP, port: %[3]d}]
-`, name, dst, port)
-}
-
 // backendPolicy selects the web replicas, isolates both directions and
 // lets client in on ports.
 func backendPolicy(client netip.Addr, ports ...uint16) string {
-	var b strings.Builder
-	fmt.Fprintf(&b, `apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: web, namespace: default}
-spec:
-  podIsolation: [Ingress, Egress]
-  podSelectorEndpoints: [{name: %s, namespace: default}]
-  ingress:
-  - cidr: %s/32
-    ports:
-`, webReplicas[0], client)
-	for _, p := range ports {
-		fmt.Fprintf(&b, "    - {protocol: TCP, port: %d}\n", p)
-	}
-	return b.String()
-}
-
-func mustRead(t *testing.T, dir, name string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, name+".yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
+	return endpointDoc{
+		name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
+		ingress: []docRule{tcpRule(client.String()+"/32", ports...)},
+	}.String()
 }
 
 // dnat makes connections to vip:port go to backend:backendPort, as
