@@ -170,7 +170,17 @@ func Attach(o Options) (Mode, error) {
 // o.Program is optional: when set, a legacy filter running another program is
 // not podfence's to remove from this ifindex and is left alone. With
 // o.Mode set to ModeTCX, o.LinkPin is required.
+//
+// o.Ifindex 0 says the interface is gone, and its hooks with it: only the
+// TCX link pin, if any, is left to remove (a legacy filter is found by
+// ifindex, which another interface may have taken since).
 func Detach(o Options) error {
+	if o.Ifindex == 0 && o.Hook.valid() {
+		if o.LinkPin == "" {
+			return nil
+		}
+		return detachTCX(o)
+	}
 	if err := o.check("detach"); err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package attach
 
 import (
 	"errors"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -69,5 +70,14 @@ func TestOptionsChecked(t *testing.T) {
 	}
 	if errors.Is(err, ErrTCXUnsupported) {
 		t.Fatal("missing pin reported as missing tcx")
+	}
+	// Interface gone: only a link pin may be left, and none is.
+	gone := Options{Hook: HookIngress, LinkPin: filepath.Join(t.TempDir(), "link_ingress")}
+	if err := Detach(gone); err != nil {
+		t.Fatalf("Detach from a gone interface without a pin: %v", err)
+	}
+	gone.Hook = 9
+	if err := Detach(gone); err == nil || !strings.Contains(err.Error(), "invalid interface index 0") {
+		t.Fatalf("Detach with no interface and a bad hook: %v", err)
 	}
 }

@@ -7,7 +7,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 
@@ -74,8 +73,10 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	// A policy that cannot be read or held fails the ADD before anything
 	// changes in bpffs.
-	if _, err := readPolicy(conf, id); err != nil {
+	if set, err := readPolicy(conf, id); err != nil {
 		return err
+	} else if err := set.Check(); err != nil {
+		return policyError(conf, err)
 	}
 	call.mark("check-policy")
 
@@ -90,7 +91,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	// the order they hold it, so an older reading never overwrites a newer.
 	set, err := readPolicy(conf, id)
 	if err != nil {
-		if cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -111,7 +112,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		if cerr := removeMember(lock, member); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
-		if cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -145,7 +146,9 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	call.mark("open-identifier")
 	// The policy is in the maps before the programs are attached:
 	// enforcement starts with the pod's first packet.
-	if err := ident.ApplyPolicy(set); err != nil {
+	if err := ident.ApplyPolicy(set); errors.Is(err, policy.ErrTooManyPortRanges) {
+		return policyError(conf, err) // the policy changed since it was checked
+	} else if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	call.mark("apply-policy")
@@ -191,18 +194,20 @@ func replaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, 
 	return bpf.OpenIdentifier(g, pinRoot, lock.ID)
 }
 
-// readPolicy is what policyDir says for id; a document that cannot be
-// read, or a policy the datapath cannot hold, is a policy error (101).
+// readPolicy is what policyDir says for id. ADD checks it with Set.Check
+// before it changes anything; ApplyPolicy compiles it again when it writes.
 func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
 	docs, err := policy.LoadDir(conf.PolicyDir)
 	if err != nil {
-		return policy.Set{}, types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
+		return policy.Set{}, policyError(conf, err)
 	}
-	set := policy.ForIdentifier(docs, id, conf.mode)
-	if err := set.Check(); err != nil {
-		return policy.Set{}, types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
-	}
-	return set, nil
+	return policy.ForIdentifier(docs, id, conf.mode), nil
+}
+
+// policyError is a document that cannot be read, or a policy the datapath
+// cannot hold (101).
+func policyError(conf *PluginConf, err error) error {
+	return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
 }
 
 type hookPin struct {
@@ -281,7 +286,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	default:
 		return types.NewError(errState, err.Error(), "")
 	}
-	if err := removeIfUnused(conf.PinRoot, lock); err != nil {
+	if _, err := removeIfUnused(conf.PinRoot, lock); err != nil {
 		return err
 	}
 	return nil
@@ -291,7 +296,8 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 // already (veth, links, record) is fine.
 func removeMember(lock *membership.Lock, m membership.Member) error {
 	// The legacy filter is found by ifindex, which a new veth may have
-	// taken since: detach it only from the veth the record names.
+	// taken since: detach it only from the veth the record names; without
+	// it (ifindex 0) Detach removes only the link pins.
 	ifindex := m.HostIfindex
 	if !vethStillThere(m) {
 		ifindex = 0
@@ -299,7 +305,7 @@ func removeMember(lock *membership.Lock, m membership.Member) error {
 	var errs []error
 	for _, h := range hooks(lock, m) {
 		o := attach.Options{Hook: h.hook, LinkPin: h.linkPin, Ifindex: ifindex}
-		if err := detach(o); err != nil {
+		if err := attach.Detach(o); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -312,37 +318,21 @@ func removeMember(lock *membership.Lock, m membership.Member) error {
 	return nil
 }
 
-// detach removes a TCX link by its pin and, when the veth is still there,
-// podfence's legacy filter from it.
-func detach(o attach.Options) error {
-	if o.Ifindex == 0 {
-		if o.LinkPin == "" {
-			return nil
-		}
-		// The veth is gone: its hooks went with it; only the pin is left.
-		if err := os.Remove(o.LinkPin); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		return nil
-	}
-	return attach.Detach(o)
-}
-
-// removeIfUnused removes the identifier's pins when it has no member left.
-// A member whose record cannot be read keeps them: it may be a live pod
-// whose record another version of podfence wrote.
-func removeIfUnused(pinRoot string, lock *membership.Lock) error {
+// removeIfUnused removes the identifier's pins when it has no member left,
+// and says whether it did. A member whose record cannot be read keeps them:
+// it may be a live pod whose record another version of podfence wrote.
+func removeIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
 	sc, err := lock.Scan()
 	if err != nil {
-		return types.NewError(errState, err.Error(), "")
+		return false, types.NewError(errState, err.Error(), "")
 	}
 	if sc.InUse() {
-		return nil
+		return false, nil
 	}
 	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
+		return false, types.NewError(errDatapath, err.Error(), "")
 	}
-	return nil
+	return true, nil
 }
 
 func cmdCheck(args *skel.CmdArgs) (err error) {
@@ -460,14 +450,11 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 			return removed, 0, err
 		}
 	}
-	after, err := lock.Scan()
+	gone, err := removeIfUnused(pinRoot, lock)
 	if err != nil {
 		return removed, 0, err
 	}
-	if !after.InUse() {
-		if err := removeIfUnused(pinRoot, lock); err != nil {
-			return removed, 0, err
-		}
+	if gone {
 		emptied = 1
 	}
 	return removed, emptied, nil
