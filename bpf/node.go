@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -54,25 +55,30 @@ func (g *Global) SetNodeAddrs(addrs []netip.Addr) error {
 	for _, a := range addrs {
 		want[a.As16()] = true
 	}
-	for k := range want {
-		if err := g.NodeAddrs.Update(k, uint8(1), ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("add node address %s: %w", netip.AddrFrom16(k).Unmap(), err)
-		}
-	}
+	// Only what changed is written: every ADD syncs, under a node-wide lock.
+	have := map[[16]byte]bool{}
 	var k [16]byte
 	var v uint8
-	var stale [][16]byte
 	it := g.NodeAddrs.Iterate()
 	for it.Next(&k, &v) {
-		if !want[k] {
-			stale = append(stale, k)
-		}
+		have[k] = true
 	}
 	if err := it.Err(); err != nil {
 		return fmt.Errorf("list node addresses: %w", err)
 	}
-	for _, k := range stale {
-		if err := g.NodeAddrs.Delete(k); err != nil {
+	for k := range want {
+		if have[k] {
+			continue
+		}
+		if err := g.NodeAddrs.Update(k, uint8(1), ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("add node address %s: %w", netip.AddrFrom16(k).Unmap(), err)
+		}
+	}
+	for k := range have {
+		if want[k] {
+			continue
+		}
+		if err := g.NodeAddrs.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("remove node address %s: %w", netip.AddrFrom16(k).Unmap(), err)
 		}
 	}

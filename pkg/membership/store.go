@@ -167,19 +167,14 @@ func (l *Lock) Members() ([]Member, error) {
 	return sc.Members, nil
 }
 
-// Incomplete returns, sorted, the keys of member directories that hold no
-// record: a plugin died while adding the member, before its record was in
-// place, so nothing was attached for it (invariant 1) and Remove may take
-// the directory. Members skips them.
-func (l *Lock) Incomplete() ([]string, error) {
-	sc, err := l.Scan()
-	return sc.Incomplete, err
-}
-
 // Scan is one reading of an identifier's member directories.
 type Scan struct {
-	Members    []Member // the readable records, sorted by key
-	Incomplete []string // keys of directories without a record, sorted
+	Members []Member // the readable records, sorted by key
+	// Incomplete are the keys, sorted, of directories without a record: a
+	// plugin died while adding the member, before its record was in place,
+	// so nothing was attached for it (invariant 1) and Remove may take the
+	// directory.
+	Incomplete []string
 	Unreadable []string // keys of directories whose record is corrupt, sorted
 }
 
