@@ -186,10 +186,15 @@ func TestBadInputDirect(t *testing.T) {
 		}
 		return p, lcJSONMap(t, res)
 	}
-	add := func(t *testing.T, p *pod, prev map[string]any) error {
+	// add is the chain's ADD for podfence, in the pod's own namespace
+	// unless netns names another.
+	add := func(t *testing.T, p *pod, prev map[string]any, netns ...string) error {
 		t.Helper()
 		call := p.lcCall(c, "ADD")
 		call.conf = withPrev(call.conf, prev)
+		if len(netns) > 0 {
+			call.netns = netns[0]
+		}
 		_, err := lcExec(t, c, call)
 		return err
 	}
@@ -217,22 +222,14 @@ func TestBadInputDirect(t *testing.T) {
 	t.Run("empty CNI_NETNS", func(t *testing.T) {
 		p, prev := addPtp(t)
 		before := lcTree(t, c.pinRoot)
-		call := p.lcCall(c, "ADD")
-		call.netns = ""
-		call.conf = withPrev(call.conf, prev)
-		_, err := lcExec(t, c, call)
-		lcWantCNIError(t, err, types.ErrInvalidEnvironmentVariables, "CNI_NETNS")
+		lcWantCNIError(t, add(t, p, prev, ""), types.ErrInvalidEnvironmentVariables, "CNI_NETNS")
 		lcRequireNothingFrom(t, c, p, before)
 		del(t, p, prev)
 	})
 	t.Run("CNI_NETNS missing", func(t *testing.T) {
 		p, prev := addPtp(t)
 		before := lcTree(t, c.pinRoot)
-		call := p.lcCall(c, "ADD")
-		call.netns = "/var/run/netns/podfence-no-such-namespace"
-		call.conf = withPrev(call.conf, prev)
-		_, err := lcExec(t, c, call)
-		lcWantCNIError(t, err, types.ErrInvalidNetNS, "podfence-no-such-namespace")
+		lcWantCNIError(t, add(t, p, prev, "/var/run/netns/podfence-no-such-namespace"), types.ErrInvalidNetNS, "podfence-no-such-namespace")
 		lcRequireNothingFrom(t, c, p, before)
 		del(t, p, prev)
 	})
