@@ -5,7 +5,8 @@
 // Objects live below a pin root (default /sys/fs/bpf/podfence):
 //
 //	global/           conntrack maps (v4, v6), the node's addresses, the deny
-//	                  event ring buffer and its per-CPU rate limiter
+//	                  event ring buffer and its per-CPU rate limiter, the
+//	                  ports of fragmented datagrams, the per-CPU clock cache
 //	ids/<identifier>/ both programs, the state map (policy generation and
 //	                  isolation), per-CPU verdict counters, four policy tries
 //
@@ -17,7 +18,7 @@
 // one identifier (the CNI plugin holds its lock).
 //
 // Requires Linux 5.10: ring buffer (5.8), global functions with scalar
-// arguments (5.6), bounded loops (5.3). Where bpf_ktime_get_coarse_ns exists
-// (5.11) conntrack timestamps use it; attaching (TCX from 6.6, clsact and
+// arguments (5.6), bpf_jiffies64 (5.6), bounded loops (5.3). Where
+// bpf_ktime_get_coarse_ns exists (5.11) conntrack timestamps use it; attaching (TCX from 6.6, clsact and
 // cls_bpf before) is package attach's job.
 package bpf

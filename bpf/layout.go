@@ -35,6 +35,7 @@ var layouts = map[string]mapLayout{
 	mapDenyEvents:  {ebpf.RingBuf, 0, 0, 256 * 1024},
 	mapEventBudget: {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1},
 	mapFrags:       {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192},
+	mapTickClock:   {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1},
 	mapState:       {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1},
 	mapCounters:    {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons)},
 	"pol_in_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},

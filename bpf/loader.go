@@ -44,6 +44,7 @@ const (
 	mapDenyEvents  = "deny_events"
 	mapEventBudget = "event_budget"
 	mapFrags       = "frags"
+	mapTickClock   = "tick_clock"
 	mapState       = "state"
 	mapCounters    = "counters"
 
@@ -51,7 +52,7 @@ const (
 	progEgress  = "pod_egress"
 )
 
-var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget, mapFrags}
+var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget, mapFrags, mapTickClock}
 
 // GlobalPins are the names of the node-wide pins below the pin root's
 // GlobalDir, for tools that check what a pin root holds.
@@ -113,13 +114,15 @@ func loadableSpec() (*ebpf.CollectionSpec, error) {
 }
 
 // Global holds the node-wide maps: conntrack (v4, v6), the node's own
-// addresses, the deny-event ring buffer and its rate limiter.
+// addresses, the deny-event ring buffer and its rate limiter, the ports of
+// fragmented datagrams, and the per-CPU clock cache.
 type Global struct {
 	CTv4, CTv6  *ebpf.Map
 	NodeAddrs   *ebpf.Map
 	DenyEvents  *ebpf.Map
 	EventBudget *ebpf.Map
 	Frags       *ebpf.Map
+	TickClock   *ebpf.Map
 
 	dir string // where they are pinned; SyncNodeAddrs locks it
 }
@@ -148,6 +151,7 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 		DenyEvents:  maps[mapDenyEvents],
 		EventBudget: maps[mapEventBudget],
 		Frags:       maps[mapFrags],
+		TickClock:   maps[mapTickClock],
 		dir:         dir,
 	}, nil
 }
@@ -210,6 +214,7 @@ func (g *Global) replacements() map[string]*ebpf.Map {
 		mapDenyEvents:  g.DenyEvents,
 		mapEventBudget: g.EventBudget,
 		mapFrags:       g.Frags,
+		mapTickClock:   g.TickClock,
 	}
 }
 

@@ -13,6 +13,12 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type podfenceCachedTime struct {
+	_       structs.HostLayout
+	Jiffies uint64
+	Ns      uint64
+}
+
 type podfenceCtKeyV4 struct {
 	_       structs.HostLayout
 	Src     [4]uint8
@@ -116,6 +122,7 @@ const (
 	podfenceMapPolInV4     = "pol_in_v4"
 	podfenceMapPolInV6     = "pol_in_v6"
 	podfenceMapState       = "state"
+	podfenceMapTickClock   = "tick_clock"
 	podfenceProgPodEgress  = "pod_egress"
 	podfenceProgPodIngress = "pod_ingress"
 	podfenceVarCoarseClock = "coarse_clock"
@@ -183,6 +190,7 @@ type podfenceMapSpecs struct {
 	PolInV4     *ebpf.MapSpec `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.MapSpec `ebpf:"pol_in_v6"`
 	State       *ebpf.MapSpec `ebpf:"state"`
+	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
 }
 
 // podfenceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -224,6 +232,7 @@ type podfenceMaps struct {
 	PolInV4     *ebpf.Map `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.Map `ebpf:"pol_in_v6"`
 	State       *ebpf.Map `ebpf:"state"`
+	TickClock   *ebpf.Map `ebpf:"tick_clock"`
 }
 
 func (m *podfenceMaps) Close() error {
@@ -240,6 +249,7 @@ func (m *podfenceMaps) Close() error {
 		m.PolInV4,
 		m.PolInV6,
 		m.State,
+		m.TickClock,
 	)
 }
 

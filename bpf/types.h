@@ -145,3 +145,9 @@ struct event_budget {
 	__u64 last_ns;
 	__u64 tokens;
 };
+
+// Per-CPU cache of the clock: the conntrack time of the current jiffy.
+struct cached_time {
+	__u64 jiffies; // bpf_jiffies64 when ns was read
+	__u64 ns;      // CLOCK_MONOTONIC ns read in that jiffy; 0 before the first read
+};
