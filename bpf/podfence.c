@@ -157,7 +157,7 @@ static __always_inline void count(int dir, int reason)
 #define POLICY_ALLOWED 1
 #define POLICY_ALLOWED_NODE 2
 
-// Selector bits of policy_lookup's third argument.
+// Selector bits of the sel argument of policy_lookup and is_related.
 #define SEL_EGRESS (1u << 31)
 #define SEL_IPV6 (1u << 30)
 #define SEL_PROTO_SHIFT 16
@@ -240,10 +240,10 @@ static __always_inline int event_allowed(__u64 now)
 	return 1;
 }
 
-static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason)
+static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason,
+				__u64 now)
 {
 	count(dir, reason);
-	__u64 now = now_ns();
 	if (!event_allowed(now))
 		return VERDICT_DROP;
 	struct deny_event *e = bpf_ringbuf_reserve(&deny_events, sizeof(*e), 0);
@@ -310,32 +310,45 @@ static __always_inline void ct_key_fill(union ct_key *k, const int family, const
 		CT_FILL(k->v6, pod, pod_port, peer, peer_port, proto, ifindex, 16);
 }
 
-// is_related reports whether f, an ICMP error, is about a flow conntrack
-// holds and the current policy still allows: "fragmentation needed" or
-// "packet too big" from a router on the path, which Path MTU discovery
-// needs, or "port unreachable" from the peer. The quoted datagram went the
-// other way, so its key is built for the opposite direction. Nothing is
-// refreshed: an error does not keep a flow alive. The quote is parsed here,
-// not with the rest of the packet, so that other packets pay nothing for it.
-static __always_inline int is_related(struct __sk_buff *skb, const int dir, const int family,
-				      struct flow *f, struct id_state *st)
+// is_related reports whether an ICMP error, whose quote starts quote_off
+// bytes into the frame, is about a flow conntrack holds and the current
+// policy (generation) still allows: "fragmentation needed" or "packet too
+// big" from a router on the path, which Path MTU discovery needs, or "port
+// unreachable" from the peer. The quoted datagram went the other way, so
+// its key is built for the opposite direction. Nothing is refreshed: an
+// error does not keep a flow alive. The quote is parsed here, not with the
+// rest of the packet, so that other packets pay nothing for it; and in a
+// global function (sel = direction | family, as for policy_lookup), which
+// the verifier checks once instead of in each of the four specialisations
+// of enforce_family.
+__attribute__((noinline)) int is_related(struct __sk_buff *skb, __u32 quote_off, __u32 sel,
+					 __u32 generation)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
+	int dir = (sel & SEL_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 	struct quoted q;
-	if (!parse_quoted(data + bounded(f->quote_off), end, family, &q))
-		return 0;
 	union ct_key key;
-	ct_key_fill(&key, family, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
-	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
-	return v && (v->generation == st->generation || (v->flags & CT_NODE));
+	struct ct_value *v;
+	if (sel & SEL_IPV6) {
+		if (!parse_quoted(data + bounded(quote_off), end, 6, &q))
+			return 0;
+		ct_key_fill(&key, 6, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
+		v = bpf_map_lookup_elem(&ct_v6, &key);
+	} else {
+		if (!parse_quoted(data + bounded(quote_off), end, 4, &q))
+			return 0;
+		ct_key_fill(&key, 4, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
+		v = bpf_map_lookup_elem(&ct_v4, &key);
+	}
+	return v && (v->generation == generation || (v->flags & CT_NODE));
 }
 
 static __always_inline int allow_tracked(const int dir, struct ct_value *v, struct id_state *st,
-					 int reason)
+					 int reason, __u64 now)
 {
 	v->generation = st->generation;
-	v->last_seen_ns = now_ns();
+	v->last_seen_ns = now;
 	count(dir, reason);
 	return VERDICT_ALLOW;
 }
@@ -345,7 +358,6 @@ static __always_inline int allow_new(const int dir, const int family, union ct_k
 {
 	if (dir == DIR_EGRESS)
 		nv->flags |= CT_EGRESS;
-	nv->last_seen_ns = now_ns();
 	bpf_map_update_elem(ct_map(family), key, nv, BPF_ANY);
 	count(dir, reason);
 	return VERDICT_ALLOW;
@@ -384,10 +396,15 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 {
 	if (f->frag)
 		frag_ports(family, f);
-	if (f->is_icmp_error && is_related(skb, dir, family, f, st)) {
+	if (f->is_icmp_error &&
+	    is_related(skb, f->quote_off, (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0),
+		       st->generation)) {
 		count(dir, REASON_CT_RELATED);
 		return VERDICT_ALLOW;
 	}
+	// Every verdict from here on records the time: read it at one place,
+	// which the verifier walks once rather than at each verdict.
+	__u64 now = now_ns();
 
 	union ct_key key; // every byte of the family's key is written below
 	ct_key_fill(&key, family, dir, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, skb->ifindex);
@@ -402,12 +419,12 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	// A tracked flow is judged in the direction that opened it, a new flow
 	// in this program's direction; either way the remote end is the peer.
 	int eval_dir = dir;
-	struct ct_value nv = {.generation = st->generation};
+	struct ct_value nv = {.generation = st->generation, .last_seen_ns = now};
 	if (v) {
 		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
 		if (v->generation == st->generation || (v->flags & CT_NODE))
-			return allow_tracked(dir, v, st, reason);
+			return allow_tracked(dir, v, st, reason, now);
 	} else if (!(st->isolated & (1 << dir))) {
 		return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
 	}
@@ -422,9 +439,10 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 
 	if (v) {
 		if (allowed)
-			return allow_tracked(dir, v, st, eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY);
+			return allow_tracked(dir, v, st, eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY,
+					     now);
 		bpf_map_delete_elem(ct_map(family), &key);
-		return deny(skb, dir, f, REASON_REVOKED);
+		return deny(skb, dir, f, REASON_REVOKED, now);
 	}
 	if (allowed == POLICY_ALLOWED_NODE) {
 		nv.flags = CT_NODE;
@@ -432,7 +450,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	}
 	if (allowed)
 		return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
-	return deny(skb, dir, f, REASON_POLICY_DENY);
+	return deny(skb, dir, f, REASON_POLICY_DENY, now);
 }
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)
