@@ -16,6 +16,7 @@ import (
 	"github.com/cilium/ebpf/features"
 	"golang.org/x/sys/unix"
 
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -323,12 +324,11 @@ func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
 		maps = append(maps, m)
 	}
 	for _, m := range maps {
-		info, err := m.Info()
+		id, err := objinfo.MapID(m)
 		if err != nil {
 			closeAll(ingress, egress)
-			return false, fmt.Errorf("map info: %w", err)
+			return false, err
 		}
-		id, _ := info.ID()
 		want[id] = true
 	}
 	for _, p := range []struct {
@@ -346,18 +346,14 @@ func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
 }
 
 func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error {
-	info, err := p.Info()
+	info, err := objinfo.ProgramOf(p)
 	if err != nil {
-		return fmt.Errorf("program info: %w", err)
+		return err
 	}
 	if info.Type != ebpf.SchedCLS || info.Name != name {
 		return fmt.Errorf("program is %s %q, want %s %q", info.Type, info.Name, ebpf.SchedCLS, name)
 	}
-	ids, ok := info.MapIDs()
-	if !ok {
-		return nil // kernel does not report map IDs; name and type must do
-	}
-	for _, id := range ids {
+	for _, id := range info.MapIDs {
 		if !want[id] && !isConstants(id) {
 			return fmt.Errorf("program uses map id %d, which is not one of this identifier's or the node's maps", id)
 		}
@@ -368,13 +364,8 @@ func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error 
 // isConstants tells the program's own read-only constants (.rodata), which
 // every load creates afresh, from maps it should share.
 func isConstants(id ebpf.MapID) bool {
-	m, err := ebpf.NewMapFromID(id)
-	if err != nil {
-		return false
-	}
-	defer m.Close()
-	info, err := m.Info()
-	return err == nil && strings.HasSuffix(info.Name, ".rodata")
+	name, err := objinfo.MapName(id)
+	return err == nil && strings.HasSuffix(name, ".rodata")
 }
 
 func (i *Identifier) loadPrograms(g *Global) error {
@@ -512,12 +503,11 @@ func PinnedProgramIDs(pinRoot string, id podid.ID) (ingress, egress ebpf.Program
 		if err != nil {
 			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
 		}
-		info, err := prog.Info()
+		*p.out, err = objinfo.ProgramID(prog)
 		prog.Close()
 		if err != nil {
 			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
 		}
-		*p.out, _ = info.ID()
 	}
 	return ingress, egress, nil
 }

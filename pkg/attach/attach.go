@@ -6,6 +6,8 @@ import (
 	"strconv"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/objinfo"
 )
 
 // Mode is the attach mechanism.
@@ -193,7 +195,7 @@ func Detach(o Options) error {
 	}
 	var want ebpf.ProgramID
 	if o.Program != nil {
-		id, err := programID(o.Program)
+		id, err := objinfo.ProgramID(o.Program)
 		if err != nil {
 			return fmt.Errorf("detach from interface %d %s: %w", o.Ifindex, o.Hook, err)
 		}
@@ -230,16 +232,4 @@ func Attached(ifindex int, h Hook) ([]ebpf.ProgramID, error) {
 		return nil, err
 	}
 	return append(ids, tc...), nil
-}
-
-func programID(p *ebpf.Program) (ebpf.ProgramID, error) {
-	info, err := p.Info()
-	if err != nil {
-		return 0, fmt.Errorf("program info: %w", err)
-	}
-	id, ok := info.ID()
-	if !ok {
-		return 0, errors.New("program info: kernel reports no program id (requires Linux 4.13)")
-	}
-	return id, nil
 }

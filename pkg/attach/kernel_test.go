@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -205,7 +206,7 @@ func (e *env) counts() bpf.Counters {
 
 func mustID(tb testing.TB, p *ebpf.Program) ebpf.ProgramID {
 	tb.Helper()
-	id, err := programID(p)
+	id, err := objinfo.ProgramID(p)
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -42,7 +44,7 @@ func newHandle() (*netlink.Handle, error) {
 // Linux 4.5 (clsact, cls_bpf direct action); the filter reports its
 // program's ID from Linux 4.13.
 func attachTC(o Options) error {
-	want, err := programID(o.Program)
+	want, err := objinfo.ProgramID(o.Program)
 	if err != nil {
 		return fmt.Errorf("attach tc to interface %d %s: %w", o.Ifindex, o.Hook, err)
 	}

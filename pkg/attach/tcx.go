@@ -12,6 +12,8 @@ import (
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/pkg/objinfo"
 )
 
 // ErrTCXUnsupported is wrapped when TCX is asked for on a kernel without it.
@@ -77,7 +79,7 @@ func attachTCX(o Options) error {
 	if o.LinkPin == "" {
 		return fmt.Errorf("attach tcx to interface %d %s: no link pin", o.Ifindex, o.Hook)
 	}
-	want, err := programID(o.Program)
+	want, err := objinfo.ProgramID(o.Program)
 	if err != nil {
 		return fmt.Errorf("attach tcx to interface %d %s: %w", o.Ifindex, o.Hook, err)
 	}

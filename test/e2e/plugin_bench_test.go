@@ -3,6 +3,7 @@ package e2e
 import (
 	"flag"
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"testing"
@@ -11,7 +12,10 @@ import (
 	"github.com/podfence/podfence/test/kernel"
 )
 
-var benchCalls = flag.Int("plugin.calls", 200, "measured calls per case in BenchmarkPlugin")
+var (
+	benchCalls = flag.Int("plugin.calls", 200, "measured calls per case in BenchmarkPlugin")
+	benchLog   = flag.String("plugin.log", "", "BenchmarkPlugin copies the plugin's log, with each call's phase timings, to this path plus the attach mode")
+)
 
 func percentiles(b *testing.B, name string, d []time.Duration) {
 	sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
@@ -27,8 +31,8 @@ func percentiles(b *testing.B, name string, d []time.Duration) {
 // (pins reused), and 64 concurrent ADDs of one identifier; in each attach
 // mode the kernel has (tcx is what auto picks from Linux 6.6). Each case
 // makes -plugin.calls measured calls whatever b.N is; run it with
-// -benchtime=1x (hack/bench.sh does). The plugin's log in the cluster's
-// temporary directory has each call's phase timings.
+// -benchtime=1x (hack/bench.sh does). The plugin's log has each call's
+// phase timings; -plugin.log keeps it.
 //
 // In tcx mode every attach and detach waits for an RCU grace period in the
 // kernel (see BenchmarkAttach in pkg/attach), two per ADD and two per DEL.
@@ -41,6 +45,13 @@ func BenchmarkPlugin(b *testing.B) {
 
 func benchPlugin(b *testing.B, mode string) {
 	c := newCluster(b, mode)
+	if *benchLog != "" {
+		b.Cleanup(func() {
+			if data, err := os.ReadFile(c.logFile); err == nil {
+				_ = os.WriteFile(*benchLog+"."+mode, data, 0o644)
+			}
+		})
+	}
 	c.writePolicy("web", selectPolicy("web-7f65cc6544-9j58r"))
 	slots := c.newSlots(64)
 	call := func(cmd, container, pod string, i int) time.Duration {
