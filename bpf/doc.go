@@ -9,6 +9,7 @@
 //	                  ports of fragmented datagrams, the per-CPU clock cache
 //	ids/<identifier>/ both programs, the state map (policy generation and
 //	                  isolation), per-CPU verdict counters, four policy tries
+//	                  and the port sets their entries name
 //
 // OpenGlobal and OpenIdentifier reuse compatible pins and refuse
 // incompatible ones (ErrIncompatiblePin) rather than swapping them, because

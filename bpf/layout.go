@@ -25,6 +25,7 @@ var (
 	lpmV4Size    = uint32(unsafe.Sizeof(podfenceLpmKeyV4{}))
 	lpmV6Size    = uint32(unsafe.Sizeof(podfenceLpmKeyV6{}))
 	policyVSize  = uint32(unsafe.Sizeof(podfencePolicyValue{}))
+	portSetSize  = uint32(unsafe.Sizeof(podfencePortSet{}))
 	trieCapacity = uint32(16384)
 )
 
@@ -42,6 +43,7 @@ var layouts = map[string]mapLayout{
 	"pol_in_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
 	"pol_eg_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
 	"pol_eg_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
+	mapPortSets:    {ebpf.Hash, 4, portSetSize, trieCapacity},
 }
 
 // checkLayout compares a pinned map with the layout its name should have.

@@ -48,6 +48,7 @@ const (
 	mapTickClock   = "tick_clock"
 	mapState       = "state"
 	mapCounters    = "counters"
+	mapPortSets    = "port_sets"
 
 	progIngress = "pod_ingress"
 	progEgress  = "pod_egress"
@@ -64,6 +65,15 @@ var policyMaps = [2][2]string{
 	{"pol_in_v4", "pol_in_v6"},
 	{"pol_eg_v4", "pol_eg_v6"},
 }
+
+// identifierMaps are the maps pinned per identifier.
+var identifierMaps = []string{mapState, mapCounters, mapPortSets,
+	policyMaps[0][0], policyMaps[0][1], policyMaps[1][0], policyMaps[1][1]}
+
+// IdentifierMapPins are the names of the map pins in an identifier's
+// directory (beside ProgIngressPin and ProgEgressPin), for tools that check
+// what it holds.
+func IdentifierMapPins() []string { return slices.Clone(identifierMaps) }
 
 var (
 	specOnce sync.Once
@@ -231,6 +241,8 @@ type Identifier struct {
 	State, Counters *ebpf.Map
 	// Policy tries by [policy.Direction][family], family 0 IPv4, 1 IPv6.
 	Policy [2][2]*ebpf.Map
+	// The port sets the tries' entries name.
+	PortSets *ebpf.Map
 }
 
 // IdentifierDir is where the objects of id are pinned below pinRoot.
@@ -289,6 +301,9 @@ func (i *Identifier) openMaps(dir string) error {
 		}
 	}
 	if i.Counters, err = openPinnedMap(mapCounters, dir); err != nil {
+		return err
+	}
+	if i.PortSets, err = openPinnedMap(mapPortSets, dir); err != nil {
 		return err
 	}
 	for d := range policyMaps {
@@ -376,6 +391,7 @@ func (i *Identifier) loadPrograms(g *Global) error {
 	repl := g.replacements()
 	repl[mapState] = i.State
 	repl[mapCounters] = i.Counters
+	repl[mapPortSets] = i.PortSets
 	for d := range policyMaps {
 		for f := range policyMaps[d] {
 			repl[policyMaps[d][f]] = i.Policy[d][f]
@@ -421,7 +437,7 @@ func pinReplacing(p *ebpf.Program, path string) error {
 }
 
 func (i *Identifier) maps() []*ebpf.Map {
-	return []*ebpf.Map{i.State, i.Counters, i.Policy[0][0], i.Policy[0][1], i.Policy[1][0], i.Policy[1][1]}
+	return []*ebpf.Map{i.State, i.Counters, i.PortSets, i.Policy[0][0], i.Policy[0][1], i.Policy[1][0], i.Policy[1][1]}
 }
 
 // Close releases the file descriptors; the pins stay.
@@ -440,10 +456,7 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 		return fmt.Errorf("remove objects of %q: %w", id, podid.ErrInvalid)
 	}
 	dir := IdentifierDir(pinRoot, id)
-	pins := []string{ProgIngressPin, ProgEgressPin, mapState, mapCounters} // programs first, as in RemoveIdentifier
-	for d := range policyMaps {
-		pins = append(pins, policyMaps[d][:]...)
-	}
+	pins := append([]string{ProgIngressPin, ProgEgressPin}, identifierMaps...) // programs first, as in RemoveIdentifier
 	for _, pin := range pins {
 		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove objects of %q: %w", id, err)

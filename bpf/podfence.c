@@ -115,6 +115,15 @@ POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
 POLICY_TRIE(pol_eg_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_eg_v6, struct lpm_key_v6);
 
+// The port sets of trie entries with many ranges (struct policy_value.ports).
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 16384);
+	__type(key, __u32);
+	__type(value, struct port_set);
+} port_sets SEC(".maps");
+
 // coarse_clock is set by the loader where bpf_ktime_get_coarse_ns exists
 // (Linux >= 5.11). Reading the precise clock costs about as much as the rest
 // of a conntrack hit, and last_seen needs no better than tick resolution;
@@ -167,13 +176,25 @@ union addr_words {
 	__u8 b[16];
 };
 
+// range_matches reports whether r allows port of protocol proto, without a
+// branch (BPF has no conditional set, and every branch here is one more
+// path for the verifier): both terms are negative exactly when the protocol
+// matches (or the range is for any protocol) and first <= port <= last.
+static __always_inline int range_matches(const struct port_range *r, __u32 proto, __u32 port)
+{
+	__s32 proto_miss = (__s32)((r->proto ^ proto) * r->proto) - 1;
+	__s32 port_in = (__s32)((port - r->first) & 0xffff) - (__s32)(r->last - r->first) - 1;
+	return (proto_miss & port_in) < 0;
+}
+
 // policy_lookup is the policy evaluation of a new or re-checked flow: the
 // trie entry of the remote address, then a scan of its port ranges. It is a
 // global function, which the verifier checks once on its own with unknown
 // arguments, instead of once per path through its callers (a 64-iteration
 // loop inlined at every such path multiplies the verifier's work twentyfold).
-// Global functions take scalars only on 5.10, hence the packed arguments:
-// the address as two words and sel = direction | family | proto << 16 | port.
+// Global functions take only scalars and the context on 5.10, hence the
+// packed arguments: the address as two words and sel = direction | family |
+// proto << 16 | port.
 __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 sel)
 {
 	union addr_words a = {.w = {addr_hi, addr_lo}};
@@ -192,17 +213,21 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 
 	__u32 proto = (sel >> SEL_PROTO_SHIFT) & 0xff;
 	__u32 port = sel & 0xffff;
+	if (v->count <= POLICY_INLINE_RANGES) {
+		for (int i = 0; i < POLICY_INLINE_RANGES; i++)
+			if (i < v->count && range_matches(&v->ranges[i], proto, port))
+				return POLICY_ALLOWED;
+		return POLICY_DENIED;
+	}
+	// ApplyPolicy writes a set before any entry names it and deletes it
+	// only after no program can still hold such an entry.
+	struct port_set *s = bpf_map_lookup_elem(&port_sets, &v->ports);
+	if (!s)
+		return POLICY_DENIED;
 	for (int i = 0; i < MAX_PORT_RANGES; i++) {
-		if (i >= v->count)
+		if (i >= s->count)
 			break;
-		// Branch-free match (BPF has no conditional set, and every branch
-		// here is one more path for the verifier): both terms are negative
-		// exactly when the protocol matches (or the range is for any
-		// protocol) and first <= port <= last.
-		struct port_range *r = &v->ranges[i];
-		__s32 proto_miss = (__s32)((r->proto ^ proto) * r->proto) - 1;
-		__s32 port_in = (__s32)((port - r->first) & 0xffff) - (__s32)(r->last - r->first) - 1;
-		if ((proto_miss & port_in) < 0)
+		if (range_matches(&s->ranges[i], proto, port))
 			return POLICY_ALLOWED;
 	}
 	return POLICY_DENIED;

@@ -93,9 +93,10 @@ type podfenceLpmKeyV6 struct {
 
 type podfencePolicyValue struct {
 	_      structs.HostLayout
-	Count  uint16
 	Flags  uint16
-	Ranges [64]podfencePortRange
+	Count  uint16
+	Ports  uint32
+	Ranges [2]podfencePortRange
 }
 
 type podfencePortRange struct {
@@ -104,6 +105,13 @@ type podfencePortRange struct {
 	Pad   uint8
 	First uint16
 	Last  uint16
+}
+
+type podfencePortSet struct {
+	_      structs.HostLayout
+	Count  uint16
+	Pad    uint16
+	Ranges [64]podfencePortRange
 }
 
 // Names of all BPF objects in the ELF.
@@ -121,6 +129,7 @@ const (
 	podfenceMapPolEgV6     = "pol_eg_v6"
 	podfenceMapPolInV4     = "pol_in_v4"
 	podfenceMapPolInV6     = "pol_in_v6"
+	podfenceMapPortSets    = "port_sets"
 	podfenceMapState       = "state"
 	podfenceMapTickClock   = "tick_clock"
 	podfenceProgPodEgress  = "pod_egress"
@@ -189,6 +198,7 @@ type podfenceMapSpecs struct {
 	PolEgV6     *ebpf.MapSpec `ebpf:"pol_eg_v6"`
 	PolInV4     *ebpf.MapSpec `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.MapSpec `ebpf:"pol_in_v6"`
+	PortSets    *ebpf.MapSpec `ebpf:"port_sets"`
 	State       *ebpf.MapSpec `ebpf:"state"`
 	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
 }
@@ -231,6 +241,7 @@ type podfenceMaps struct {
 	PolEgV6     *ebpf.Map `ebpf:"pol_eg_v6"`
 	PolInV4     *ebpf.Map `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.Map `ebpf:"pol_in_v6"`
+	PortSets    *ebpf.Map `ebpf:"port_sets"`
 	State       *ebpf.Map `ebpf:"state"`
 	TickClock   *ebpf.Map `ebpf:"tick_clock"`
 }
@@ -248,6 +259,7 @@ func (m *podfenceMaps) Close() error {
 		m.PolEgV6,
 		m.PolInV4,
 		m.PolInV6,
+		m.PortSets,
 		m.State,
 		m.TickClock,
 	)

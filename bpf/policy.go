@@ -26,14 +26,19 @@ const (
 // rules on their next packet. A direction that becomes isolated is closed
 // only once its entries are written, and one that becomes open is opened
 // before its entries are deleted, so no packet meets a half-written policy
-// that denies what both the old and the new one allow. Callers serialise
-// ApplyPolicy per identifier.
+// that denies what both the old and the new one allow; likewise a port set
+// is written before the entries naming it, and deleted only after them.
+// Callers serialise ApplyPolicy per identifier.
 //
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
 // policy says; after the node's addresses change, apply again.
 func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	nodes, err := i.global.NodeAddresses()
+	if err != nil {
+		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
+	sets, err := readPortSets(i.PortSets)
 	if err != nil {
 		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
 	}
@@ -44,7 +49,7 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 			return fmt.Errorf("compile %s policy of %q: %w", d, i.ID, err)
 		}
 		for f, entries := range [][]policy.Entry{v4, v6} {
-			if desired[d][f], err = encodeEntries(entries); err != nil {
+			if desired[d][f], err = sets.encode(entries); err != nil {
 				return fmt.Errorf("encode %s policy of %q: %w", d, i.ID, err)
 			}
 		}
@@ -57,6 +62,10 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		// A host prefix is the longest there is, so the node's entry never
 		// hides a rule from any other address.
 		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
+	}
+	// Port sets go in before the entries that name them.
+	if err := sets.writeNew(i.PortSets); err != nil {
+		return fmt.Errorf("write port sets of %q: %w", i.ID, err)
 	}
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
@@ -103,12 +112,14 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 
 	// Every replica's ADD applies the identifier's policy; only a change
 	// makes the tracked flows of all replicas pay for a re-check.
-	if !changed && want == st {
-		return nil
+	if changed || want != st {
+		want.Generation++
+		if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
+			return fmt.Errorf("write state of %q: %w", i.ID, err)
+		}
 	}
-	want.Generation++
-	if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("write state of %q: %w", i.ID, err)
+	if err := sets.removeUnused(i.PortSets); err != nil {
+		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
 	}
 	return nil
 }
@@ -122,21 +133,116 @@ func (i *Identifier) Generation() (uint32, error) {
 	return st.Generation, nil
 }
 
-// encodeEntries returns the trie contents for entries, keyed by the binary
-// LPM key (4-byte prefix length, then the address bytes).
-func encodeEntries(entries []policy.Entry) (map[string]*podfencePolicyValue, error) {
+// portSets is an identifier's port_sets map as ApplyPolicy changes it:
+// sets are found by their ranges, so that every entry allowing the same
+// ports names one set, and a set keeps its key while any entry may name it.
+type portSets struct {
+	byKey   map[uint32]podfencePortSet
+	byValue map[podfencePortSet]uint32
+	added   []uint32        // keys encode gave to new sets
+	used    map[uint32]bool // keys the desired entries name
+	next    uint32          // where the search for a free key resumes
+}
+
+func readPortSets(m *ebpf.Map) (*portSets, error) {
+	s := &portSets{byKey: map[uint32]podfencePortSet{}, byValue: map[podfencePortSet]uint32{}, used: map[uint32]bool{}, next: 1}
+	var (
+		k uint32
+		v podfencePortSet
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		s.byKey[k] = v
+		s.byValue[v] = k
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read port sets: %w", err)
+	}
+	return s, nil
+}
+
+// encode returns the trie contents for entries, keyed by the binary LPM key
+// (4-byte prefix length, then the address bytes). An entry with more port
+// ranges than its value holds names a port set; encode notes the sets named,
+// new ones under free keys.
+func (s *portSets) encode(entries []policy.Entry) (map[string]*podfencePolicyValue, error) {
 	out := make(map[string]*podfencePolicyValue, len(entries))
 	for _, e := range entries {
 		if len(e.Ports) > policy.MaxPortRanges {
 			return nil, fmt.Errorf("prefix %s: %d port ranges: %w", e.Prefix, len(e.Ports), policy.ErrTooManyPortRanges)
 		}
 		v := &podfencePolicyValue{Count: uint16(len(e.Ports))}
-		for j, r := range e.Ports {
-			v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
-		}
 		out[string(lpmKey(e.Prefix))] = v
+		if len(e.Ports) <= len(v.Ranges) {
+			for j, r := range e.Ports {
+				v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
+			}
+			continue
+		}
+		set := podfencePortSet{Count: uint16(len(e.Ports))}
+		for j, r := range e.Ports {
+			set.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
+		}
+		key, ok := s.byValue[set]
+		if !ok {
+			var err error
+			if key, err = s.freeKey(); err != nil {
+				return nil, err
+			}
+			s.byKey[key], s.byValue[set] = set, key
+			s.added = append(s.added, key)
+		}
+		s.used[key] = true
+		v.Ports = key
 	}
 	return out, nil
+}
+
+// freeKey returns the lowest key no set holds, from 1 (0 names no set).
+func (s *portSets) freeKey() (uint32, error) {
+	for ; s.next <= trieCapacity; s.next++ {
+		if _, taken := s.byKey[s.next]; !taken {
+			return s.next, nil
+		}
+	}
+	return 0, fmt.Errorf("more than %d distinct port sets", trieCapacity)
+}
+
+// writeNew writes the sets encode added. A key that was free holds no set
+// an entry names, so no program can be reading it.
+func (s *portSets) writeNew(m *ebpf.Map) error {
+	for _, k := range s.added {
+		set := s.byKey[k]
+		if err := m.Update(k, &set, ebpf.UpdateNoExist); err != nil {
+			return fmt.Errorf("add port set %d: %w", k, err)
+		}
+	}
+	return nil
+}
+
+// removeUnused deletes the sets no desired entry names, once the programs
+// that might have read an old entry naming one have finished. It runs after
+// the tries hold the desired entries; sets a killed ApplyPolicy left behind
+// go the same way.
+func (s *portSets) removeUnused(m *ebpf.Map) error {
+	var unused []uint32
+	for k := range s.byKey {
+		if !s.used[k] {
+			unused = append(unused, k)
+		}
+	}
+	if len(unused) == 0 {
+		return nil
+	}
+	if err := waitForPrograms(); err != nil {
+		return err
+	}
+	for _, k := range unused {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete port set %d: %w", k, err)
+		}
+	}
+	return nil
 }
 
 // lpmKey encodes a prefix as the kernel's struct bpf_lpm_trie_key: prefix
@@ -190,8 +296,9 @@ func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
 // sections, and membarrier's MEMBARRIER_CMD_GLOBAL is implemented with
 // synchronize_rcu (Linux 4.3+; kernel/sched/membarrier.c), so it waits for
 // exactly them. It costs one grace period (milliseconds), which ApplyPolicy
-// pays only when it opens an isolated direction. The command is refused
-// on nohz_full kernels; a sleep far longer than any program run stands in.
+// pays only when it opens an isolated direction or drops a port set. The
+// command is refused on nohz_full kernels; a sleep far longer than any
+// program run stands in.
 func waitForPrograms() error {
 	const membarrierCmdGlobal = 1 // MEMBARRIER_CMD_GLOBAL, once MEMBARRIER_CMD_SHARED
 	_, _, errno := unix.Syscall(unix.SYS_MEMBARRIER, membarrierCmdGlobal, 0, 0)

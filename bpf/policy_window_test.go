@@ -16,7 +16,7 @@ import (
 // one of them, so no packet may be dropped at any instant of ApplyPolicy:
 // not while a trie is being filled before its direction is closed, nor
 // while it is being emptied after its direction is opened, nor while one
-// policy's entries give way to another's.
+// policy's entries (and port sets) give way to another's.
 func TestApplyPolicyHasNoDenyWindow(t *testing.T) {
 	h := newHarness(t)
 	sets := []policy.Set{
@@ -24,6 +24,10 @@ func TestApplyPolicyHasNoDenyWindow(t *testing.T) {
 		{Mode: policy.ModeStandard}, // open
 		isolate(rules(except(rule("10.0.0.0/8"), "10.2.0.0/16"), rule("10.1.2.0/24", tcpPort(80))), nil),
 		isolate(rules(rule("10.1.2.3/32", tcpPort(80))), rules()),
+		// More ranges than an entry holds: port sets, the old one deleted
+		// once the new one is in place.
+		isolate(rules(rule("10.1.0.0/16", tcpPort(80), tcpPort(443), udpPort(53))), nil),
+		isolate(rules(rule("10.0.0.0/8", tcpPort(22), ports(policy.ProtocolTCP, 79, 90), tcpPort(8080))), nil),
 	}
 	frame := syn(tcp(peer4, pod4, 40000, 80)).Marshal()
 

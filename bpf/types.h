@@ -6,7 +6,7 @@
 
 #include <linux/types.h>
 
-// Port ranges one LPM entry holds; the policy compiler refuses more.
+// Port ranges one port set holds; the policy compiler refuses more for a prefix.
 #ifndef MAX_PORT_RANGES
 #define MAX_PORT_RANGES 64
 #endif
@@ -53,11 +53,26 @@ enum policy_flags {
 	POLICY_NODE = 1, // the key is one of the node's addresses: everything is allowed
 };
 
+// Port ranges a policy entry holds itself; more go to a port set.
+#define POLICY_INLINE_RANGES 2
+
 // Value of a policy LPM entry: what is allowed for addresses whose longest
-// matching prefix is the key. count 0 denies.
+// matching prefix is the key. A trie node holds its key and value together,
+// the kernel sizes every node for the largest value, and a lookup walks
+// about ten nodes: so the value is small, and an entry with more ranges
+// than it holds names a port set, which every entry allowing the same
+// ranges shares. count 0 allows nothing.
 struct policy_value {
-	__u16 count;
 	__u16 flags; // enum policy_flags
+	__u16 count; // ranges allowed: in ranges up to POLICY_INLINE_RANGES, else in the port set
+	__u32 ports; // key of the port set in port_sets when count > POLICY_INLINE_RANGES
+	struct port_range ranges[POLICY_INLINE_RANGES];
+};
+
+// Allowed port ranges of entries that have more than POLICY_INLINE_RANGES.
+struct port_set {
+	__u16 count;
+	__u16 pad;
 	struct port_range ranges[MAX_PORT_RANGES];
 };
 

@@ -256,7 +256,7 @@ type kernelObjects struct {
 
 // identifierMaps are the maps pinned per identifier; with the program pins
 // and the members directory they are all an identifier's directory holds.
-var identifierMaps = []string{"state", "counters", "pol_in_v4", "pol_in_v6", "pol_eg_v4", "pol_eg_v6"}
+var identifierMaps = bpf.IdentifierMapPins()
 
 // pinnedObjects collects the IDs of whatever an identifier has pinned now
 // (any of it may be missing after a kill).

@@ -1,0 +1,68 @@
+package bpf
+
+import (
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// TestPortSets checks how entries with more port ranges than they hold share
+// port sets: one set per distinct list of ranges, whatever the number of
+// prefixes naming it, and a set no entry names any more is deleted.
+func TestPortSets(t *testing.T) {
+	h := newHarness(t)
+	three := []policy.PortRange{tcpPort(80), tcpPort(443), udpPort(53)}
+	other := []policy.PortRange{tcpPort(22), tcpPort(80), tcpPort(8080)}
+	steps := []struct {
+		name string
+		set  policy.Set
+		want int // sets in port_sets afterwards
+	}{
+		{"two ranges stay in the entry", isolate(rules(rule("10.1.0.0/16", tcpPort(80), udpPort(53))), nil), 0},
+		{"three prefixes, one list", isolate(rules(rule("10.1.0.0/16", three...), rule("10.2.0.0/16", three...), rule("fd01::/64", three...)), nil), 1},
+		{"two lists", isolate(rules(rule("10.1.0.0/16", three...), rule("10.2.0.0/16", other...)), nil), 2},
+		{"the first list goes", isolate(rules(rule("10.2.0.0/16", other...)), nil), 1},
+		{"open again", policy.Set{Mode: policy.ModeStandard}, 0},
+	}
+	for _, s := range steps {
+		h.apply(t, s.set)
+		if n := countEntries(t, h.id.PortSets); n != s.want {
+			t.Fatalf("%s: port_sets holds %d sets, want %d", s.name, n, s.want)
+		}
+	}
+
+	// The shared set decides for every prefix naming it.
+	h.apply(t, isolate(rules(rule("10.1.0.0/16", three...), rule("10.2.0.0/16", three...)), nil))
+	for _, c := range []struct {
+		peer string
+		port uint16
+		want uint32
+	}{
+		{"10.1.0.1", 443, VerdictAllow},
+		{"10.2.0.1", 443, VerdictAllow},
+		{"10.2.0.1", 22, VerdictDrop},
+		{"10.3.0.1", 443, VerdictDrop},
+	} {
+		h.flushCT(t)
+		if got := h.run(t, policy.Ingress, syn(tcp(c.peer, pod4, 40000, c.port)).Marshal()); got != c.want {
+			t.Errorf("from %s to port %d: verdict %#x, want %#x", c.peer, c.port, got, c.want)
+		}
+	}
+}
+
+func countEntries(t *testing.T, m *ebpf.Map) int {
+	t.Helper()
+	n := 0
+	k := make([]byte, m.KeySize())
+	v := make([]byte, m.ValueSize())
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
