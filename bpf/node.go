@@ -12,15 +12,13 @@ import (
 
 // NodeAddresses returns the node's own addresses as SetNodeAddrs recorded them.
 func (g *Global) NodeAddresses() ([]netip.Addr, error) {
-	var addrs []netip.Addr
-	var k [16]byte
-	var v uint8
-	it := g.NodeAddrs.Iterate()
-	for it.Next(&k, &v) {
-		addrs = append(addrs, netip.AddrFrom16(k).Unmap())
-	}
-	if err := it.Err(); err != nil {
+	have, err := readEntries[[16]byte, uint8](g.NodeAddrs)
+	if err != nil {
 		return nil, fmt.Errorf("list node addresses: %w", err)
+	}
+	addrs := make([]netip.Addr, 0, len(have))
+	for k := range have {
+		addrs = append(addrs, netip.AddrFrom16(k).Unmap())
 	}
 	return addrs, nil
 }
@@ -56,18 +54,12 @@ func (g *Global) SetNodeAddrs(addrs []netip.Addr) error {
 		want[a.As16()] = true
 	}
 	// Only what changed is written: every ADD syncs, under a node-wide lock.
-	have := map[[16]byte]bool{}
-	var k [16]byte
-	var v uint8
-	it := g.NodeAddrs.Iterate()
-	for it.Next(&k, &v) {
-		have[k] = true
-	}
-	if err := it.Err(); err != nil {
+	have, err := readEntries[[16]byte, uint8](g.NodeAddrs)
+	if err != nil {
 		return fmt.Errorf("list node addresses: %w", err)
 	}
 	for k := range want {
-		if have[k] {
+		if _, ok := have[k]; ok {
 			continue
 		}
 		if err := g.NodeAddrs.Update(k, uint8(1), ebpf.UpdateAny); err != nil {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"time"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -145,18 +146,13 @@ type portSets struct {
 }
 
 func readPortSets(m *ebpf.Map) (*portSets, error) {
-	s := &portSets{byKey: map[uint32]podfencePortSet{}, byValue: map[podfencePortSet]uint32{}, used: map[uint32]bool{}, next: 1}
-	var (
-		k uint32
-		v podfencePortSet
-	)
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		s.byKey[k] = v
-		s.byValue[v] = k
-	}
-	if err := it.Err(); err != nil {
+	have, err := readEntries[uint32, podfencePortSet](m)
+	if err != nil {
 		return nil, fmt.Errorf("read port sets: %w", err)
+	}
+	s := &portSets{byKey: have, byValue: map[podfencePortSet]uint32{}, used: map[uint32]bool{}, next: 1}
+	for k, v := range have {
+		s.byValue[v] = k
 	}
 	return s, nil
 }
@@ -259,15 +255,9 @@ func lpmKey(p netip.Prefix) []byte {
 // New and changed entries are written first, stale ones deleted after, so
 // an address never loses an allowance it keeps under the new policy.
 func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
-	have := map[string]podfencePolicyValue{}
-	key := make([]byte, m.KeySize())
-	var value podfencePolicyValue
-	it := m.Iterate()
-	for it.Next(&key, &value) {
-		have[string(key)] = value
-	}
-	if err := it.Err(); err != nil {
-		return false, fmt.Errorf("iterate entries: %w", err)
+	have, err := trieEntries(m)
+	if err != nil {
+		return false, err
 	}
 	changed := false
 	for k, v := range want {
@@ -289,6 +279,36 @@ func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
 		changed = true
 	}
 	return changed, nil
+}
+
+// The policy tries' keys as raw bytes, which is how encode keys entries.
+type (
+	lpmBytesV4 = [unsafe.Sizeof(podfenceLpmKeyV4{})]byte
+	lpmBytesV6 = [unsafe.Sizeof(podfenceLpmKeyV6{})]byte
+)
+
+// trieEntries reads a policy trie, keyed as encode keys its entries.
+func trieEntries(m *ebpf.Map) (map[string]podfencePolicyValue, error) {
+	switch m.KeySize() {
+	case lpmV4Size:
+		entries, err := readEntries[lpmBytesV4, podfencePolicyValue](m)
+		return stringKeys(entries, err, func(k lpmBytesV4) string { return string(k[:]) })
+	case lpmV6Size:
+		entries, err := readEntries[lpmBytesV6, podfencePolicyValue](m)
+		return stringKeys(entries, err, func(k lpmBytesV6) string { return string(k[:]) })
+	}
+	return nil, fmt.Errorf("a trie with %d-byte keys", m.KeySize())
+}
+
+func stringKeys[K comparable, V any](entries map[K]V, err error, str func(K) string) (map[string]V, error) {
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]V, len(entries))
+	for k, v := range entries {
+		out[str(k)] = v
+	}
+	return out, nil
 }
 
 // waitForPrograms returns once every run of a BPF program that started
