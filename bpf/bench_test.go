@@ -4,11 +4,14 @@ import (
 	"fmt"
 	"math"
 	"net/netip"
+	"runtime"
 	"sort"
+	"sync"
 	"testing"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/packet"
@@ -196,4 +199,75 @@ func measureFloor(b *testing.B, p *ebpf.Program) (repeat, single float64) {
 func median(runs []float64) float64 {
 	sort.Float64s(runs)
 	return runs[len(runs)/2]
+}
+
+// BenchmarkFlowBothWays runs the two directions of one tracked connection at
+// once on two CPUs, as a pod's traffic and its replies often are: the
+// ingress program on CPU 0 with the peer's segments, the egress program on
+// CPU 1 with the pod's. Both hit the same conntrack entry. It reports each
+// side's per-packet kernel time (the median of chunks of 2,000 runs, most
+// of which overlap the other side's), which grows when the entry's cache
+// line moves between the CPUs on every packet.
+func BenchmarkFlowBothWays(b *testing.B) {
+	if runtime.NumCPU() < 2 {
+		b.Skip("needs two CPUs")
+	}
+	h := newHarness(b)
+	h.apply(b, isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil))
+	opening := syn(tcp(peer4, pod4, 40000, 80))
+	if ret := h.run(b, policy.Ingress, opening.Marshal()); ret != VerdictAllow {
+		b.Fatalf("SYN not allowed: %#x", ret)
+	}
+	sides := []struct {
+		name  string
+		cpu   int
+		prog  *ebpf.Program
+		frame []byte
+	}{
+		{"ingress-ns", 0, h.id.Ingress, tcp(peer4, pod4, 40000, 80).Marshal()},
+		{"egress-ns", 1, h.id.Egress, tcp(pod4, peer4, 80, 40000).Marshal()},
+	}
+	ns := make([]float64, len(sides))
+	errs := make([]error, len(sides))
+	var wg sync.WaitGroup
+	b.ResetTimer()
+	// Both sides start together, once both threads sit on their CPUs.
+	var ready, start sync.WaitGroup
+	start.Add(1)
+	for i, s := range sides {
+		wg.Add(1)
+		ready.Add(1)
+		go func() {
+			defer wg.Done()
+			runtime.LockOSThread() // the thread ends with the goroutine, affinity and all
+			var set unix.CPUSet
+			set.Set(s.cpu)
+			errs[i] = unix.SchedSetaffinity(0, &set)
+			ready.Done()
+			if errs[i] != nil {
+				return
+			}
+			start.Wait()
+			var chunks []float64
+			for done := 0; done < b.N; done += 2000 {
+				_, d, err := s.prog.Benchmark(s.frame, min(2000, b.N-done), nil)
+				if err != nil {
+					errs[i] = err
+					return
+				}
+				chunks = append(chunks, float64(d.Nanoseconds()))
+			}
+			ns[i] = median(chunks)
+		}()
+	}
+	ready.Wait()
+	start.Done()
+	wg.Wait()
+	for i, s := range sides {
+		if errs[i] != nil {
+			b.Fatal(errs[i])
+		}
+		b.ReportMetric(ns[i], s.name)
+	}
+	b.ReportMetric(max(ns[0], ns[1]), "ns/op") // the slower side
 }

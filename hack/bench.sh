@@ -9,7 +9,6 @@ benchtime=${BENCHTIME:-500000x}
 cpu=${BENCH_CPU:-0}
 go test -c -o /tmp/podfence-bpf.test ./bpf/
 out=$(taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkDatapath' -test.benchtime "$benchtime")
-rm -f /tmp/podfence-bpf.test
 echo "$out" | grep -E '^(goos|goarch|cpu|Benchmark)'
 echo
 echo "case                          kernel ns   x floor   target   verified insns"
@@ -24,6 +23,15 @@ echo "$out" | awk '/^BenchmarkDatapath/ {
 	}
 	printf "%-28s %10s %9s %8s %12s\n", name, ns, x, t, ins
 }'
+
+# One connection's two directions at once on two CPUs (not pinned to one).
+echo
+echo "one flow, both directions at once on CPUs 0 and 1 (BenchmarkFlowBothWays)"
+out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkFlowBothWays' -test.benchtime 1000000x)
+echo "$out" | awk '/^BenchmarkFlowBothWays/ {
+	for (i = 3; i < NF; i += 2) if ($(i+1) ~ /^(ingress|egress)-ns$/) printf "  %-10s %6s ns per packet\n", $(i+1), $i
+}'
+rm -f /tmp/podfence-bpf.test
 
 # The CNI plugin: latency of the podfence binary's own ADD and DEL (a
 # prevResult on stdin, as libcni invokes it; no primary plugin runs), and 64
