@@ -17,6 +17,7 @@ package objinfo
 
 import (
 	"fmt"
+	"runtime"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -57,13 +58,22 @@ type mapInfo struct {
 
 // objInfoAttr is the BPF_OBJ_GET_INFO_BY_FD member of union bpf_attr. The
 // pointers are unsafe.Pointer, not integers, so that the runtime keeps
-// what they point to in place (a 64-bit kernel ABI field; podfence runs on
-// amd64 and arm64).
+// what they point to in place.
 type objInfoAttr struct {
 	FD      uint32
 	InfoLen uint32
 	Info    unsafe.Pointer
 }
+
+// The kernel's pointer fields are 64 bits wide; so is unsafe.Pointer on the
+// 64-bit platforms podfence supports (amd64, arm64), and these fail to
+// compile anywhere else.
+var (
+	_ [unsafe.Sizeof(progInfo{}) - 80]byte
+	_ [80 - unsafe.Sizeof(progInfo{})]byte
+	_ [unsafe.Sizeof(objInfoAttr{}) - 16]byte
+	_ [16 - unsafe.Sizeof(objInfoAttr{})]byte
+)
 
 func objInfo(fd int, info unsafe.Pointer, size uintptr) error {
 	attr := objInfoAttr{FD: uint32(fd), InfoLen: uint32(size), Info: info}
@@ -85,6 +95,9 @@ type Program struct {
 
 // ProgramOf returns the ID, type, name and map IDs of p.
 func ProgramOf(p *ebpf.Program) (Program, error) {
+	// p owns the descriptor and closes it when collected: keep it until
+	// the system calls are done. The same below.
+	defer runtime.KeepAlive(p)
 	ids := make([]ebpf.MapID, 32)
 	for {
 		info := progInfo{NrMapIDs: uint32(len(ids)), MapIDs: unsafe.Pointer(&ids[0])}
@@ -108,6 +121,7 @@ func ProgramOf(p *ebpf.Program) (Program, error) {
 
 // ProgramID returns the kernel's ID of p.
 func ProgramID(p *ebpf.Program) (ebpf.ProgramID, error) {
+	defer runtime.KeepAlive(p)
 	var info struct{ Type, ID uint32 }
 	if err := objInfo(p.FD(), unsafe.Pointer(&info), unsafe.Sizeof(info)); err != nil {
 		return 0, fmt.Errorf("program info: %w", err)
@@ -117,6 +131,7 @@ func ProgramID(p *ebpf.Program) (ebpf.ProgramID, error) {
 
 // MapID returns the kernel's ID of m.
 func MapID(m *ebpf.Map) (ebpf.MapID, error) {
+	defer runtime.KeepAlive(m)
 	var info struct{ Type, ID uint32 }
 	if err := objInfo(m.FD(), unsafe.Pointer(&info), unsafe.Sizeof(info)); err != nil {
 		return 0, fmt.Errorf("map info: %w", err)
