@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 )
 
 // batchSize is how many entries one batch lookup asks for. A hash map
@@ -30,9 +31,8 @@ func readEntries[K comparable, V any](m *ebpf.Map) (map[K]V, error) {
 		switch {
 		case errors.Is(err, ebpf.ErrKeyNotExist):
 			return out, nil // the end of the map
-		case err != nil && first:
-			// No batch lookups for this map type here; a real fault
-			// shows again below.
+		case first && (errors.Is(err, ebpf.ErrNotSupported) || errors.Is(err, unix.EINVAL)):
+			// No batch lookups for this map type on this kernel.
 			return iterateEntries[K, V](m)
 		case err != nil:
 			return nil, fmt.Errorf("read entries: %w", err)
