@@ -5,6 +5,8 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/policy"
 )
 
 // mapLayout is what a pinned map must look like for this datapath to use
@@ -27,6 +29,8 @@ var (
 	policyVSize  = uint32(unsafe.Sizeof(podfencePolicyValue{}))
 	portSetSize  = uint32(unsafe.Sizeof(podfencePortSet{}))
 	trieCapacity = uint32(16384)
+	// A policy's port sets and its successor's, while one replaces the other.
+	portSetCapacity = uint32(2 * policy.MaxPortSets)
 )
 
 var layouts = map[string]mapLayout{
@@ -43,7 +47,7 @@ var layouts = map[string]mapLayout{
 	"pol_in_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
 	"pol_eg_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
 	"pol_eg_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
-	mapPortSets:    {ebpf.Hash, 4, portSetSize, trieCapacity},
+	mapPortSets:    {ebpf.Hash, 4, portSetSize, portSetCapacity},
 }
 
 // checkLayout compares a pinned map with the layout its name should have.

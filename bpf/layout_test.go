@@ -1,6 +1,10 @@
 package bpf
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/podfence/podfence/pkg/policy"
+)
 
 // The layout table used to check pins without parsing the object file must
 // describe exactly the maps of the object file.
@@ -27,5 +31,13 @@ func TestLayoutMatchesObject(t *testing.T) {
 		if _, ok := cs.Maps[name]; !ok {
 			t.Errorf("layout entry %s names no map of the object", name)
 		}
+	}
+}
+
+// The policy compiler counts port sets by the ranges an entry holds itself,
+// which types.h sets.
+func TestInlineRangesMatchCompiler(t *testing.T) {
+	if n := len(podfencePolicyValue{}.Ranges); n != policy.InlinePortRanges {
+		t.Errorf("struct policy_value holds %d ranges, policy.InlinePortRanges is %d", n, policy.InlinePortRanges)
 	}
 }

@@ -115,11 +115,14 @@ POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
 POLICY_TRIE(pol_eg_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_eg_v6, struct lpm_key_v6);
 
-// The port sets of trie entries with many ranges (struct policy_value.ports).
+// The port sets of trie entries with many ranges (struct policy_value.ports):
+// twice policy.MaxPortSets, so that a policy's sets and those of the policy
+// replacing it fit at once. The kernel allocates a hash map's buckets up
+// front, 16 bytes per entry of capacity, for every identifier.
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 16384);
+	__uint(max_entries, 1024);
 	__type(key, __u32);
 	__type(value, struct port_set);
 } port_sets SEC(".maps");
@@ -378,7 +381,10 @@ static __always_inline int allow_tracked(const int dir, struct ct_value *v, __u3
 {
 	if (v->generation != generation)
 		v->generation = generation;
-	if (v->last_seen_ns != now)
+	// Forward only: each CPU caches its own reading of the clock (see
+	// now_ns), and two CPUs writing alternately would move the line, and
+	// last_seen, back and forth.
+	if ((__s64)(now - v->last_seen_ns) > 0)
 		v->last_seen_ns = now;
 	count(dir, reason);
 	return VERDICT_ALLOW;

@@ -76,7 +76,8 @@ type podfenceIdState struct {
 	Generation uint32
 	Mode       uint8
 	Isolated   uint8
-	Pad        [2]uint8
+	Applying   uint8
+	Pad        uint8
 }
 
 type podfenceLpmKeyV4 struct {

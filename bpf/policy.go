@@ -1,11 +1,9 @@
 package bpf
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"time"
-	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -29,7 +27,13 @@ const (
 // before its entries are deleted, so no packet meets a half-written policy
 // that denies what both the old and the new one allow; likewise a port set
 // is written before the entries naming it, and deleted only after them.
-// Callers serialise ApplyPolicy per identifier.
+// A policy the tries already hold changes nothing, and its tracked flows
+// keep their generation. Callers serialise ApplyPolicy per identifier.
+//
+// Killed at any point, ApplyPolicy leaves what the next call repairs: the
+// state's applying flag, set before the first change, makes that call bump
+// the generation even when the tries already hold its policy; and a port
+// set the tries do not name is deleted.
 //
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
@@ -39,10 +43,24 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if err != nil {
 		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
 	}
+	var st podfenceIdState
+	if err := i.State.Lookup(uint32(0), &st); err != nil {
+		return fmt.Errorf("read state of %q: %w", i.ID, err)
+	}
 	sets, err := readPortSets(i.PortSets)
 	if err != nil {
 		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
 	}
+	var have [2][2]map[string]podfencePolicyValue
+	for d := range i.Policy {
+		for f := range i.Policy[d] {
+			if have[d][f], err = trieEntries(i.Policy[d][f]); err != nil {
+				return fmt.Errorf("read %s policy of %q: %w", policy.Direction(d), i.ID, err)
+			}
+			sets.reserve(have[d][f])
+		}
+	}
+
 	var desired [2][2]map[string]*podfencePolicyValue
 	for _, d := range []policy.Direction{policy.Ingress, policy.Egress} {
 		v4, v6, err := set.Direction(d).Compile()
@@ -64,14 +82,12 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		// hides a rule from any other address.
 		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
 	}
-	// Port sets go in before the entries that name them.
-	if err := sets.writeNew(i.PortSets); err != nil {
-		return fmt.Errorf("write port sets of %q: %w", i.ID, err)
+	for d := range desired {
+		for f := range desired[d] {
+			sets.use(desired[d][f])
+		}
 	}
-	var st podfenceIdState
-	if err := i.State.Lookup(uint32(0), &st); err != nil {
-		return fmt.Errorf("read state of %q: %w", i.ID, err)
-	}
+
 	want := st
 	want.Mode = stateModeStandard
 	if set.Mode == policy.ModeStrict {
@@ -84,6 +100,38 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if set.Egress.Isolated {
 		want.Isolated |= 1 << policy.Egress
 	}
+	want.Applying = 0
+	var diffs []trieDiff
+	for d := range desired {
+		for f := range desired[d] {
+			if df := diffTrie(i.Policy[d][f], have[d][f], desired[d][f]); !df.empty() {
+				diffs = append(diffs, df)
+			}
+		}
+	}
+	// Every replica's ADD applies the identifier's policy; only a change
+	// makes the tracked flows of all replicas pay for a re-check.
+	if len(diffs) > 0 || want != st {
+		if err := i.change(st, want, sets, diffs); err != nil {
+			return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+		}
+	}
+	if err := sets.removeUnused(i.PortSets); err != nil {
+		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
+	}
+	return nil
+}
+
+// change takes the identifier from state st to want (mode and isolation)
+// with the tries changed by diffs, and bumps the generation.
+func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []trieDiff) error {
+	st.Applying = 1
+	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("write state: %w", err)
+	}
+	if err := sets.writeNew(i.PortSets); err != nil {
+		return err
+	}
 	// A direction being opened is opened before its trie is emptied, and
 	// (below) one being closed is closed after its trie is filled: at no
 	// instant is a direction enforced against a trie that is neither the
@@ -91,36 +139,23 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if opening := st; opening.Isolated&^want.Isolated != 0 {
 		opening.Isolated &= want.Isolated
 		if err := i.State.Update(uint32(0), &opening, ebpf.UpdateExist); err != nil {
-			return fmt.Errorf("write state of %q: %w", i.ID, err)
+			return fmt.Errorf("write state: %w", err)
 		}
 		// A packet that read the old isolation bit may still be on
 		// its way to the trie; let it finish before entries go.
 		if err := waitForPrograms(); err != nil {
-			return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+			return err
 		}
 	}
-
-	changed := false
-	for d := range desired {
-		for f := range desired[d] {
-			c, err := syncTrie(i.Policy[d][f], desired[d][f])
-			if err != nil {
-				return fmt.Errorf("write %s policy of %q: %w", policy.Direction(d), i.ID, err)
-			}
-			changed = changed || c
+	for _, df := range diffs {
+		if err := df.apply(); err != nil {
+			return err
 		}
 	}
-
-	// Every replica's ADD applies the identifier's policy; only a change
-	// makes the tracked flows of all replicas pay for a re-check.
-	if changed || want != st {
-		want.Generation++
-		if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
-			return fmt.Errorf("write state of %q: %w", i.ID, err)
-		}
-	}
-	if err := sets.removeUnused(i.PortSets); err != nil {
-		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
+	want.Generation = st.Generation + 1
+	want.Applying = 0
+	if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("write state: %w", err)
 	}
 	return nil
 }
@@ -132,183 +167,6 @@ func (i *Identifier) Generation() (uint32, error) {
 		return 0, fmt.Errorf("read state of %q: %w", i.ID, err)
 	}
 	return st.Generation, nil
-}
-
-// portSets is an identifier's port_sets map as ApplyPolicy changes it:
-// sets are found by their ranges, so that every entry allowing the same
-// ports names one set, and a set keeps its key while any entry may name it.
-type portSets struct {
-	byKey   map[uint32]podfencePortSet
-	byValue map[podfencePortSet]uint32
-	added   []uint32        // keys encode gave to new sets
-	used    map[uint32]bool // keys the desired entries name
-	next    uint32          // where the search for a free key resumes
-}
-
-func readPortSets(m *ebpf.Map) (*portSets, error) {
-	have, err := readEntries[uint32, podfencePortSet](m)
-	if err != nil {
-		return nil, fmt.Errorf("read port sets: %w", err)
-	}
-	s := &portSets{byKey: have, byValue: map[podfencePortSet]uint32{}, used: map[uint32]bool{}, next: 1}
-	for k, v := range have {
-		s.byValue[v] = k
-	}
-	return s, nil
-}
-
-// encode returns the trie contents for entries, keyed by the binary LPM key
-// (4-byte prefix length, then the address bytes). An entry with more port
-// ranges than its value holds names a port set; encode notes the sets named,
-// new ones under free keys.
-func (s *portSets) encode(entries []policy.Entry) (map[string]*podfencePolicyValue, error) {
-	out := make(map[string]*podfencePolicyValue, len(entries))
-	for _, e := range entries {
-		if len(e.Ports) > policy.MaxPortRanges {
-			return nil, fmt.Errorf("prefix %s: %d port ranges: %w", e.Prefix, len(e.Ports), policy.ErrTooManyPortRanges)
-		}
-		v := &podfencePolicyValue{Count: uint16(len(e.Ports))}
-		out[string(lpmKey(e.Prefix))] = v
-		if len(e.Ports) <= len(v.Ranges) {
-			for j, r := range e.Ports {
-				v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
-			}
-			continue
-		}
-		set := podfencePortSet{Count: uint16(len(e.Ports))}
-		for j, r := range e.Ports {
-			set.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
-		}
-		key, ok := s.byValue[set]
-		if !ok {
-			var err error
-			if key, err = s.freeKey(); err != nil {
-				return nil, err
-			}
-			s.byKey[key], s.byValue[set] = set, key
-			s.added = append(s.added, key)
-		}
-		s.used[key] = true
-		v.Ports = key
-	}
-	return out, nil
-}
-
-// freeKey returns the lowest key no set holds, from 1 (0 names no set).
-func (s *portSets) freeKey() (uint32, error) {
-	for ; s.next <= trieCapacity; s.next++ {
-		if _, taken := s.byKey[s.next]; !taken {
-			return s.next, nil
-		}
-	}
-	return 0, fmt.Errorf("more than %d distinct port sets", trieCapacity)
-}
-
-// writeNew writes the sets encode added. A key that was free holds no set
-// an entry names, so no program can be reading it.
-func (s *portSets) writeNew(m *ebpf.Map) error {
-	for _, k := range s.added {
-		set := s.byKey[k]
-		if err := m.Update(k, &set, ebpf.UpdateNoExist); err != nil {
-			return fmt.Errorf("add port set %d: %w", k, err)
-		}
-	}
-	return nil
-}
-
-// removeUnused deletes the sets no desired entry names, once the programs
-// that might have read an old entry naming one have finished. It runs after
-// the tries hold the desired entries; sets a killed ApplyPolicy left behind
-// go the same way.
-func (s *portSets) removeUnused(m *ebpf.Map) error {
-	var unused []uint32
-	for k := range s.byKey {
-		if !s.used[k] {
-			unused = append(unused, k)
-		}
-	}
-	if len(unused) == 0 {
-		return nil
-	}
-	if err := waitForPrograms(); err != nil {
-		return err
-	}
-	for _, k := range unused {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("delete port set %d: %w", k, err)
-		}
-	}
-	return nil
-}
-
-// lpmKey encodes a prefix as the kernel's struct bpf_lpm_trie_key: prefix
-// length in host order (little-endian here), then the address in network order.
-func lpmKey(p netip.Prefix) []byte {
-	addr := p.Masked().Addr().AsSlice()
-	key := make([]byte, 4+len(addr))
-	key[0] = byte(p.Bits())
-	copy(key[4:], addr)
-	return key
-}
-
-// syncTrie makes m hold exactly want and reports whether anything changed.
-// New and changed entries are written first, stale ones deleted after, so
-// an address never loses an allowance it keeps under the new policy.
-func syncTrie(m *ebpf.Map, want map[string]*podfencePolicyValue) (bool, error) {
-	have, err := trieEntries(m)
-	if err != nil {
-		return false, err
-	}
-	changed := false
-	for k, v := range want {
-		if old, ok := have[k]; ok && old == *v {
-			continue
-		}
-		if err := m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
-			return changed, fmt.Errorf("update entry: %w", err)
-		}
-		changed = true
-	}
-	for k := range have {
-		if _, ok := want[k]; ok {
-			continue
-		}
-		if err := m.Delete([]byte(k)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return changed, fmt.Errorf("delete entry: %w", err)
-		}
-		changed = true
-	}
-	return changed, nil
-}
-
-// The policy tries' keys as raw bytes, which is how encode keys entries.
-type (
-	lpmBytesV4 = [unsafe.Sizeof(podfenceLpmKeyV4{})]byte
-	lpmBytesV6 = [unsafe.Sizeof(podfenceLpmKeyV6{})]byte
-)
-
-// trieEntries reads a policy trie, keyed as encode keys its entries.
-func trieEntries(m *ebpf.Map) (map[string]podfencePolicyValue, error) {
-	switch m.KeySize() {
-	case lpmV4Size:
-		entries, err := readEntries[lpmBytesV4, podfencePolicyValue](m)
-		return stringKeys(entries, err, func(k lpmBytesV4) string { return string(k[:]) })
-	case lpmV6Size:
-		entries, err := readEntries[lpmBytesV6, podfencePolicyValue](m)
-		return stringKeys(entries, err, func(k lpmBytesV6) string { return string(k[:]) })
-	}
-	return nil, fmt.Errorf("a trie with %d-byte keys", m.KeySize())
-}
-
-func stringKeys[K comparable, V any](entries map[K]V, err error, str func(K) string) (map[string]V, error) {
-	if err != nil {
-		return nil, err
-	}
-	out := make(map[string]V, len(entries))
-	for k, v := range entries {
-		out[str(k)] = v
-	}
-	return out, nil
 }
 
 // waitForPrograms returns once every run of a BPF program that started

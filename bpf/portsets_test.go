@@ -66,3 +66,42 @@ func countEntries(t *testing.T, m *ebpf.Map) int {
 	}
 	return n
 }
+
+// TestPortSetKeyNamedByEntry: entries can outlive their set (a pin removal
+// killed midway); a new set must not take such an entry's key, or the
+// entry would allow the new set's ports until it is replaced.
+func TestPortSetKeyNamedByEntry(t *testing.T) {
+	h := newHarness(t)
+	h.apply(t, isolate(rules(rule("10.1.0.0/16", tcpPort(80), tcpPort(443), udpPort(53))), nil))
+	old := namedKeys(t, h)
+	if len(old) != 1 {
+		t.Fatalf("entries name port sets %v, want one", old)
+	}
+	for k := range old {
+		if err := h.id.PortSets.Delete(k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.apply(t, isolate(rules(rule("10.1.0.0/16", tcpPort(22), tcpPort(8080), udpPort(123))), nil))
+	for k := range namedKeys(t, h) {
+		if old[k] {
+			t.Errorf("the new set took key %d, which the old entry named", k)
+		}
+	}
+}
+
+// namedKeys returns the port-set keys the ingress IPv4 trie's entries name.
+func namedKeys(t *testing.T, h *harness) map[uint32]bool {
+	t.Helper()
+	entries, err := trieEntries(h.id.Policy[policy.Ingress][0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := map[uint32]bool{}
+	for _, v := range entries {
+		if namesSet(v) {
+			keys[v.Ports] = true
+		}
+	}
+	return keys
+}

@@ -38,7 +38,8 @@ struct id_state {
 	__u32 generation; // bumped by every policy change; stale conntrack entries are re-checked
 	__u8 mode;        // 0 standard, 1 strict (informational: isolation already encodes it)
 	__u8 isolated;    // bit (1 << direction) set: that direction is enforced
-	__u8 pad[2];
+	__u8 applying;    // set while ApplyPolicy changes the policy (the datapath ignores it)
+	__u8 pad;
 };
 
 // One allowed port range. proto 0 matches every protocol.

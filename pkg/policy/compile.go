@@ -7,9 +7,17 @@ import (
 	"slices"
 )
 
-// MaxPortRanges is the number of port ranges one LPM entry holds in the
-// datapath.
-const MaxPortRanges = 64
+// Limits of the datapath's encoding. An LPM entry holds up to
+// InlinePortRanges port ranges itself; an entry with more (up to
+// MaxPortRanges) names a port set, which every entry with the same ranges
+// shares, and one identifier's policy may have MaxPortSets distinct ones
+// (the datapath holds twice as many, so that a policy's sets and those of
+// the policy replacing it fit at once).
+const (
+	MaxPortRanges    = 64
+	InlinePortRanges = 2
+	MaxPortSets      = 512
+)
 
 // Entry is one LPM trie entry: the ports allowed for addresses whose longest
 // matching prefix is Prefix. Empty Ports denies.

@@ -405,3 +405,42 @@ func ExampleDirectionPolicy_Compile() {
 	// 10.1.0.0/16 [TCP/80-90 UDP/53]
 	// 10.1.5.0/24 [UDP/53]
 }
+
+// TestCheckPortSets: Check counts the distinct lists of more than
+// InlinePortRanges ranges, across prefixes, families and directions, and
+// refuses a set with more than MaxPortSets of them; short lists and lists
+// repeated under other prefixes do not count.
+func TestCheckPortSets(t *testing.T) {
+	policyWith := func(lists int, extra ...Rule) Set {
+		var rules []Rule
+		for i := range lists {
+			// A distinct list of three ranges per /32, half of them IPv6.
+			cidr := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)}), 32)
+			if i%2 == 1 {
+				cidr = netip.PrefixFrom(netip.AddrFrom16([16]byte{0: 0xfd, 14: byte(i >> 8), 15: byte(i)}), 128)
+			}
+			p := uint16(6 * i) // not adjacent, or Compile merges them
+			rules = append(rules, Rule{CIDR: cidr, Ports: []PortRange{tcp(p, p), tcp(p+2, p+2), tcp(p+4, p+4)}})
+		}
+		rules = append(rules, extra...)
+		return Set{Sources: []string{"p.yaml#0"}, Ingress: DirectionPolicy{Isolated: true, Rules: rules}}
+	}
+	short := make([]Rule, 0, 600)
+	for i := range 600 { // distinct, but short enough to stay in their entries
+		short = append(short, Rule{CIDR: pfx(fmt.Sprintf("10.9.%d.%d/32", i/256, i%256)), Ports: []PortRange{tcp(uint16(i), uint16(i)), udp(53, 53)}})
+	}
+	s := policyWith(MaxPortSets, short...)
+	if err := s.Check(); err != nil {
+		t.Fatalf("%d port sets and 600 short lists: %v", MaxPortSets, err)
+	}
+	// The same lists again, for egress: still MaxPortSets distinct ones.
+	s.Egress = s.Ingress
+	if err := s.Check(); err != nil {
+		t.Fatalf("%d port sets used by both directions: %v", MaxPortSets, err)
+	}
+	s = policyWith(MaxPortSets + 1)
+	err := s.Check()
+	if !errors.Is(err, ErrTooManyPortSets) || !strings.Contains(err.Error(), "p.yaml#0") || !strings.Contains(err.Error(), "513 distinct lists") {
+		t.Fatalf("%d port sets: error %v, want ErrTooManyPortSets naming p.yaml#0 and the count", MaxPortSets+1, err)
+	}
+}

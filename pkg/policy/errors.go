@@ -13,6 +13,11 @@ var ErrInvalidDocument = errors.New("invalid policy document")
 // ranges than a datapath LPM value holds (MaxPortRanges).
 var ErrTooManyPortRanges = errors.New("too many port ranges for one prefix")
 
+// ErrTooManyPortSets is returned by Set.Check when a policy needs more
+// distinct port sets (lists of more than InlinePortRanges ranges) than the
+// datapath holds for one identifier (MaxPortSets).
+var ErrTooManyPortSets = errors.New("too many distinct port lists")
+
 // invalid builds the error for field (a path such as "spec.ingress[2].cidr",
 // empty for the document itself) of the document src ("file#index").
 func invalid(src, field, format string, args ...any) error {

@@ -60,13 +60,24 @@ type Set struct {
 }
 
 // Check compiles both directions as the datapath will, so that a policy it
-// cannot hold (ErrTooManyPortRanges) is refused before anything changes. The
-// error names the documents the set comes from.
+// cannot hold (ErrTooManyPortRanges, ErrTooManyPortSets) is refused before
+// anything changes. The error names the documents the set comes from.
 func (s *Set) Check() error {
+	lists := map[string]bool{}
 	for _, d := range []Direction{Ingress, Egress} {
-		if _, _, err := s.Direction(d).Compile(); err != nil {
+		v4, v6, err := s.Direction(d).Compile()
+		if err != nil {
 			return fmt.Errorf("%s rules of %v: %w", d, s.Sources, err)
 		}
+		for _, e := range append(v4, v6...) {
+			if len(e.Ports) > InlinePortRanges {
+				lists[fmt.Sprint(e.Ports)] = true
+			}
+		}
+	}
+	if len(lists) > MaxPortSets {
+		return fmt.Errorf("rules of %v: %d distinct lists of more than %d port ranges, at most %d: %w",
+			s.Sources, len(lists), InlinePortRanges, MaxPortSets, ErrTooManyPortSets)
 	}
 	return nil
 }

@@ -146,7 +146,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	call.mark("open-identifier")
 	// The policy is in the maps before the programs are attached:
 	// enforcement starts with the pod's first packet.
-	if err := ident.ApplyPolicy(set); errors.Is(err, policy.ErrTooManyPortRanges) {
+	if err := ident.ApplyPolicy(set); errors.Is(err, policy.ErrTooManyPortRanges) || errors.Is(err, policy.ErrTooManyPortSets) {
 		return policyError(conf, err) // the policy changed since it was checked
 	} else if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")

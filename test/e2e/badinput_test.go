@@ -120,6 +120,8 @@ spec:
 		{name: "policy syntax", code: 101, policy: [2]string{"syntax.json", `{"apiVersion": "networking.k8s.aws/v1alpha1",`}, msgs: []string{"syntax.json#0"}},
 		{name: "more port ranges than the datapath holds", code: 101, policy: [2]string{"ports.yaml", tooManyPorts()},
 			msgs: []string{"ports.yaml#0", "10.9.0.0/16", "65 port ranges", "at most 64"}},
+		{name: "more distinct port lists than the datapath holds", code: 101, policy: [2]string{"lists.yaml", tooManyPortSets()},
+			msgs: []string{"lists.yaml#0", "513 distinct lists", "at most 512"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			list := lcList(t, c, "1.0.0", tc.edit, tc.keep)
@@ -334,5 +336,18 @@ func tooManyPorts() string {
 	return endpointDoc{
 		name: "ports", pods: []string{webReplicas[0]}, isolate: []string{"Ingress"},
 		ingress: []docRule{tcpRule("10.9.0.0/16", ports...)},
+	}.String()
+}
+
+// tooManyPortSets allows 513 peers three ports each, every peer others.
+func tooManyPortSets() string {
+	var rules []docRule
+	for i := range 513 {
+		p := uint16(6 * i) // not adjacent, or they merge into one range
+		rules = append(rules, tcpRule(fmt.Sprintf("10.9.%d.%d/32", i/256, i%256), p+1, p+3, p+5))
+	}
+	return endpointDoc{
+		name: "lists", pods: []string{webReplicas[0]}, isolate: []string{"Ingress"},
+		ingress: rules,
 	}.String()
 }
