@@ -391,11 +391,14 @@ static __always_inline int allow_tracked(const int dir, struct ct_value *v, __u3
 }
 
 static __always_inline int allow_new(const int dir, const int family, union ct_key *key,
-				     struct ct_value *nv, int reason)
+				     __u32 generation, __u8 flags, __u64 now, int reason)
 {
-	if (dir == DIR_EGRESS)
-		nv->flags |= CT_EGRESS;
-	bpf_map_update_elem(ct_map(family), key, nv, BPF_ANY);
+	struct ct_value nv = {
+		.last_seen_ns = now,
+		.generation = generation,
+		.flags = flags | (dir == DIR_EGRESS ? CT_EGRESS : 0),
+	};
+	bpf_map_update_elem(ct_map(family), key, &nv, BPF_ANY);
 	count(dir, reason);
 	return VERDICT_ALLOW;
 }
@@ -456,14 +459,13 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	// A tracked flow is judged in the direction that opened it, a new flow
 	// in this program's direction; either way the remote end is the peer.
 	int eval_dir = dir;
-	struct ct_value nv = {.generation = st->generation, .last_seen_ns = now};
 	if (v) {
 		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
 		if (v->generation == st->generation || (v->flags & CT_NODE))
 			return allow_tracked(dir, v, st->generation, reason, now);
 	} else if (!(st->isolated & (1 << dir))) {
-		return allow_new(dir, family, &key, &nv, REASON_NOT_ISOLATED);
+		return allow_new(dir, family, &key, st->generation, 0, now, REASON_NOT_ISOLATED);
 	}
 
 	// Ports are judged on the opening packet's destination: the peer's
@@ -481,12 +483,10 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED, now);
 	}
-	if (allowed == POLICY_ALLOWED_NODE) {
-		nv.flags = CT_NODE;
-		return allow_new(dir, family, &key, &nv, REASON_NODE);
-	}
+	if (allowed == POLICY_ALLOWED_NODE)
+		return allow_new(dir, family, &key, st->generation, CT_NODE, now, REASON_NODE);
 	if (allowed)
-		return allow_new(dir, family, &key, &nv, REASON_POLICY_ALLOW);
+		return allow_new(dir, family, &key, st->generation, 0, now, REASON_POLICY_ALLOW);
 	return deny(skb, dir, f, REASON_POLICY_DENY, now);
 }
 
