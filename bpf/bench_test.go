@@ -271,3 +271,33 @@ func BenchmarkFlowBothWays(b *testing.B) {
 	}
 	b.ReportMetric(max(ns[0], ns[1]), "ns/op") // the slower side
 }
+
+// BenchmarkIdentifierMemory reports the kernel memory (memlock, as the
+// kernel accounts it) of one identifier's maps with a policy of n ingress
+// prefixes, each allowing one port. Nothing is timed.
+func BenchmarkIdentifierMemory(b *testing.B) {
+	for _, n := range []int{1, 1000} {
+		b.Run(fmt.Sprintf("%dcidr", n), func(b *testing.B) {
+			h := newHarness(b)
+			var rs []policy.Rule
+			for i := range n {
+				rs = append(rs, rule(benchPrefix("v4", i).String(), tcpPort(80)))
+			}
+			h.apply(b, isolate(rs, nil))
+			var total uint64
+			for _, m := range h.id.maps() {
+				info, err := m.Info()
+				if err != nil {
+					b.Fatal(err)
+				}
+				bytes, _ := info.Memlock()
+				total += bytes
+			}
+			if total == 0 {
+				b.Skip("the kernel reports no memlock")
+			}
+			b.ReportMetric(float64(total), "memlock-bytes")
+			b.ReportMetric(0, "ns/op")
+		})
+	}
+}

@@ -31,6 +31,14 @@ out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkFlowBothWays' 
 echo "$out" | awk '/^BenchmarkFlowBothWays/ {
 	for (i = 3; i < NF; i += 2) if ($(i+1) ~ /^(ingress|egress)-ns$/) printf "  %-10s %6s ns per packet\n", $(i+1), $i
 }'
+
+echo
+echo "one identifier's maps, by policy size (BenchmarkIdentifierMemory, kernel memlock)"
+out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkIdentifierMemory' -test.benchtime 1x)
+echo "$out" | awk '/^BenchmarkIdentifierMemory/ {
+	name=$1; sub(/^BenchmarkIdentifierMemory\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) if ($(i+1) == "memlock-bytes") printf "  %-10s %9s bytes\n", name, $i
+}'
 rm -f /tmp/podfence-bpf.test
 
 # The CNI plugin: latency of the podfence binary's own ADD and DEL (a
