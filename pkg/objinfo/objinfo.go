@@ -121,22 +121,23 @@ func ProgramOf(p *ebpf.Program) (Program, error) {
 
 // ProgramID returns the kernel's ID of p.
 func ProgramID(p *ebpf.Program) (ebpf.ProgramID, error) {
-	defer runtime.KeepAlive(p)
-	var info struct{ Type, ID uint32 }
-	if err := objInfo(p.FD(), unsafe.Pointer(&info), unsafe.Sizeof(info)); err != nil {
-		return 0, fmt.Errorf("program info: %w", err)
-	}
-	return ebpf.ProgramID(info.ID), nil
+	return objectID[ebpf.ProgramID](p, "program")
 }
 
 // MapID returns the kernel's ID of m.
 func MapID(m *ebpf.Map) (ebpf.MapID, error) {
-	defer runtime.KeepAlive(m)
+	return objectID[ebpf.MapID](m, "map")
+}
+
+// objectID reads the ID of a program or map: struct bpf_prog_info and
+// struct bpf_map_info both begin with the object's type and ID.
+func objectID[ID ~uint32](obj interface{ FD() int }, kind string) (ID, error) {
+	defer runtime.KeepAlive(obj)
 	var info struct{ Type, ID uint32 }
-	if err := objInfo(m.FD(), unsafe.Pointer(&info), unsafe.Sizeof(info)); err != nil {
-		return 0, fmt.Errorf("map info: %w", err)
+	if err := objInfo(obj.FD(), unsafe.Pointer(&info), unsafe.Sizeof(info)); err != nil {
+		return 0, fmt.Errorf("%s info: %w", kind, err)
 	}
-	return ebpf.MapID(info.ID), nil
+	return ID(info.ID), nil
 }
 
 // MapName returns the name of the map with the given ID, which it opens
