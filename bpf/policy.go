@@ -129,7 +129,13 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("write state: %w", err)
 	}
+	if err := stopAt("flagged"); err != nil {
+		return err
+	}
 	if err := sets.writeNew(i.PortSets); err != nil {
+		return err
+	}
+	if err := stopAt("sets written"); err != nil {
 		return err
 	}
 	// A direction being opened is opened before its trie is emptied, and
@@ -146,11 +152,17 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 		if err := waitForPrograms(); err != nil {
 			return err
 		}
+		if err := stopAt("opened"); err != nil {
+			return err
+		}
 	}
 	for _, df := range diffs {
 		if err := df.apply(); err != nil {
 			return err
 		}
+	}
+	if err := stopAt("tries written"); err != nil {
+		return err
 	}
 	want.Generation = st.Generation + 1
 	want.Applying = 0
@@ -159,6 +171,18 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	}
 	return nil
 }
+
+// stopAt is where a test makes change stop between two of its steps, as a
+// process killed there would; it returns testStop's error for that step.
+func stopAt(step string) error {
+	if testStop == nil {
+		return nil
+	}
+	return testStop(step)
+}
+
+// testStop is set by tests only.
+var testStop func(step string) error
 
 // Generation returns the identifier's current policy generation.
 func (i *Identifier) Generation() (uint32, error) {
