@@ -1,9 +1,13 @@
 package bpf
 
 import (
+	"cmp"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -73,19 +77,32 @@ func diffTrie(m *ebpf.Map, have map[string]podfencePolicyValue, want map[string]
 
 func (d trieDiff) empty() bool { return len(d.update) == 0 && len(d.remove) == 0 }
 
-// apply writes new and changed entries first and deletes stale ones after,
-// so that an address never loses an allowance it keeps under the new
-// policy.
+// apply changes the trie so that every address is judged by its old entry
+// or its new one at each instant, never by an entry of neither policy:
+// new and changed entries are written longest prefix first, then stale ones
+// deleted shortest prefix first. (An address's new entry, the longest of the
+// new policy that contains it, goes in before any shorter one that would
+// otherwise take over from its old entry; its old entry, when no longer
+// wanted, goes only after the stale entries between it and the new one.)
 func (d trieDiff) apply() error {
-	for k, v := range d.update {
-		if err := d.m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
+	updates := slices.Collect(maps.Keys(d.update))
+	slices.SortFunc(updates, func(a, b string) int { return cmp.Compare(prefixLen(b), prefixLen(a)) })
+	for _, k := range updates {
+		if err := d.m.Update([]byte(k), d.update[k], ebpf.UpdateAny); err != nil {
 			return fmt.Errorf("update policy entry: %w", err)
 		}
 	}
-	for _, k := range d.remove {
+	removes := slices.Clone(d.remove)
+	slices.SortFunc(removes, func(a, b string) int { return cmp.Compare(prefixLen(a), prefixLen(b)) })
+	for _, k := range removes {
 		if err := d.m.Delete([]byte(k)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("delete policy entry: %w", err)
 		}
 	}
 	return nil
+}
+
+// prefixLen is the prefix length of a key as lpmKey encodes it.
+func prefixLen(key string) uint32 {
+	return binary.LittleEndian.Uint32([]byte(key[:4]))
 }
