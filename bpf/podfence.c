@@ -239,10 +239,10 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 // policy_allows evaluates one direction's policy for a flow whose remote end
 // is addr (network order, 4 or 16 bytes) and whose destination port is port,
 // and returns a POLICY_* result.
-static __always_inline int policy_allows(int dir, const int family, struct id_state *st,
+static __always_inline int policy_allows(int dir, const int family, __u8 isolated,
 					 const __u8 *addr, __u8 proto, __u16 port)
 {
-	if (!(st->isolated & (1 << dir)))
+	if (!(isolated & (1 << dir)))
 		return POLICY_ALLOWED;
 	union addr_words a = {};
 	__builtin_memcpy(a.b, addr, family == 4 ? 4 : 16);
@@ -434,11 +434,18 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
 					  struct flow *f, struct id_state *st)
 {
+	// The generation is read once, before anything else of the policy:
+	// ApplyPolicy bumps it after the tries hold the new policy, in the same
+	// write that closes a direction. A packet judged by an older policy is
+	// then stamped with an older generation, never a newer one, and its
+	// flow is re-checked on its next packet.
+	__u32 gen = *(volatile __u32 *)&st->generation;
+
 	if (f->frag)
 		frag_ports(family, f);
 	if (f->is_icmp_error &&
 	    is_related(skb, f->quote_off, (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0),
-		       st->generation)) {
+		       gen)) {
 		count(dir, REASON_CT_RELATED);
 		return VERDICT_ALLOW;
 	}
@@ -462,11 +469,13 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	if (v) {
 		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
-		if (v->generation == st->generation || (v->flags & CT_NODE))
-			return allow_tracked(dir, v, st->generation, reason, now);
-	} else if (!(st->isolated & (1 << dir))) {
-		return allow_new(dir, family, &key, st->generation, 0, now, REASON_NOT_ISOLATED);
+		if (v->generation == gen || (v->flags & CT_NODE))
+			return allow_tracked(dir, v, gen, reason, now);
 	}
+	asm volatile("" ::: "memory"); // after the generation (see above)
+	__u8 isolated = *(volatile __u8 *)&st->isolated;
+	if (!v && !(isolated & (1 << dir)))
+		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
 
 	// Ports are judged on the opening packet's destination: the peer's
 	// port for a flow the pod opened, the pod's port otherwise.
@@ -474,19 +483,19 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	__u16 pod_port = dir == DIR_EGRESS ? f->sport : f->dport;
 	__u16 peer_port = dir == DIR_EGRESS ? f->dport : f->sport;
 	__u16 dport = eval_dir == DIR_EGRESS ? peer_port : pod_port;
-	int allowed = policy_allows(eval_dir, family, st, peer, f->proto, dport);
+	int allowed = policy_allows(eval_dir, family, isolated, peer, f->proto, dport);
 
 	if (v) {
 		if (allowed)
-			return allow_tracked(dir, v, st->generation,
+			return allow_tracked(dir, v, gen,
 					     eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY, now);
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED, now);
 	}
 	if (allowed == POLICY_ALLOWED_NODE)
-		return allow_new(dir, family, &key, st->generation, CT_NODE, now, REASON_NODE);
+		return allow_new(dir, family, &key, gen, CT_NODE, now, REASON_NODE);
 	if (allowed)
-		return allow_new(dir, family, &key, st->generation, 0, now, REASON_POLICY_ALLOW);
+		return allow_new(dir, family, &key, gen, 0, now, REASON_POLICY_ALLOW);
 	return deny(skb, dir, f, REASON_POLICY_DENY, now);
 }
 
