@@ -2,6 +2,8 @@ package bpf
 
 import (
 	"errors"
+	"maps"
+	"net/netip"
 	"testing"
 
 	"github.com/podfence/podfence/pkg/policy"
@@ -47,6 +49,7 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 			}
 
 			stopped := false
+			t.Cleanup(func() { testStop = nil })
 			testStop = func(step string) error {
 				if step == c.step {
 					stopped = true
@@ -74,9 +77,8 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 			if st := h.state(t); st.Applying != 0 {
 				t.Errorf("state after the retry: %+v, want no flag", st)
 			}
-			named := namedKeys(t, h)
-			if n := countEntries(t, h.id.PortSets); n != len(named) {
-				t.Errorf("%d port sets, but the entries name %v", n, named)
+			if named, held := namedKeys(t, h), setKeys(t, h); !maps.Equal(named, held) {
+				t.Errorf("port_sets holds %v, the entries name %v", held, named)
 			}
 		})
 	}
@@ -89,4 +91,86 @@ func (h *harness) state(t *testing.T) podfenceIdState {
 		t.Fatal(err)
 	}
 	return st
+}
+
+// hostRules allows port 80 from n hosts of 10.0.0.0/8 from the i-th on,
+// each with its own list of three ports when lists is set (a port set each).
+func hostRules(first, n int, lists bool) []policy.Rule {
+	var rs []policy.Rule
+	for i := first; i < first+n; i++ {
+		r := rule(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}).String()+"/32", tcpPort(80))
+		if lists {
+			p := uint16(6*i) % 60000
+			r.Ports = []policy.PortRange{tcpPort(p + 1), tcpPort(p + 3), tcpPort(p + 5)}
+		}
+		rs = append(rs, r)
+	}
+	return rs
+}
+
+// TestApplyPolicyRefusesWhatCannotFit: a policy that the tries (or
+// port_sets) cannot hold next to the one it replaces, which Set.Check would
+// have refused but which reached ApplyPolicy anyway (read again after the
+// check), fails before anything changes, with the policy error the plugin
+// reports as such.
+func TestApplyPolicyRefusesWhatCannotFit(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		old, next []policy.Rule
+		want      error
+	}{
+		{"prefixes", hostRules(0, policy.MaxEntries, false), hostRules(policy.MaxEntries, policy.MaxEntries+400, false), policy.ErrTooManyEntries},
+		{"port sets", hostRules(0, 8, true), hostRules(100, policy.MaxPortSets+1, true), policy.ErrTooManyPortSets},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t)
+			h.apply(t, isolate(c.old, nil))
+			before, sets := h.state(t), setKeys(t, h)
+			entries, err := trieEntries(h.id.Policy[policy.Ingress][0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = h.id.ApplyPolicy(isolate(c.next, nil))
+			if !errors.Is(err, c.want) {
+				t.Fatalf("error %v, want %v", err, c.want)
+			}
+			after, err := trieEntries(h.id.Policy[policy.Ingress][0])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st := h.state(t); st != before || !maps.Equal(after, entries) || !maps.Equal(setKeys(t, h), sets) {
+				t.Fatalf("the refused policy changed something: state %+v (was %+v), %d entries (were %d)", st, before, len(after), len(entries))
+			}
+		})
+	}
+}
+
+// TestApplyPolicyAfterStopClearsUnnamedSets: a change stopped after writing
+// its port sets leaves them named by no entry. The next ApplyPolicy, of any
+// policy, deletes them first, or a policy and its successor of
+// policy.MaxPortSets sets each would not find room.
+func TestApplyPolicyAfterStopClearsUnnamedSets(t *testing.T) {
+	h := newHarness(t)
+	h.apply(t, isolate(hostRules(0, policy.MaxPortSets, true), nil))
+	t.Cleanup(func() { testStop = nil })
+	testStop = func(step string) error {
+		if step == "sets written" {
+			return errStopped
+		}
+		return nil
+	}
+	if err := h.id.ApplyPolicy(isolate(hostRules(1000, policy.MaxPortSets, true), nil)); !errors.Is(err, errStopped) {
+		t.Fatalf("the change was not stopped: %v", err)
+	}
+	testStop = nil
+	if n := len(setKeys(t, h)); n != 2*policy.MaxPortSets {
+		t.Fatalf("%d port sets after the stop, want both policies' %d", n, 2*policy.MaxPortSets)
+	}
+	third := isolate(hostRules(2000, policy.MaxPortSets, true), nil)
+	if err := h.id.ApplyPolicy(third); err != nil {
+		t.Fatalf("a third policy of %d port sets: %v", policy.MaxPortSets, err)
+	}
+	if named, held := namedKeys(t, h), setKeys(t, h); len(named) != policy.MaxPortSets || !maps.Equal(named, held) {
+		t.Fatalf("port_sets holds %d sets, the entries name %d", len(held), len(named))
+	}
 }

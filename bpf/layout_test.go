@@ -34,10 +34,18 @@ func TestLayoutMatchesObject(t *testing.T) {
 	}
 }
 
-// The policy compiler counts port sets by the ranges an entry holds itself,
-// which types.h sets.
-func TestInlineRangesMatchCompiler(t *testing.T) {
+// The policy compiler refuses what the maps cannot hold, by limits that
+// must agree with types.h and podfence.c: the ranges an entry holds itself,
+// and room in every trie and in port_sets for a policy and the one it
+// replaces (and the node's addresses, in the ingress tries).
+func TestLimitsMatchCompiler(t *testing.T) {
 	if n := len(podfencePolicyValue{}.Ranges); n != policy.InlinePortRanges {
 		t.Errorf("struct policy_value holds %d ranges, policy.InlinePortRanges is %d", n, policy.InlinePortRanges)
+	}
+	if n := layouts[mapNodeAddrs].maxEntries + 2*policy.MaxEntries; n != trieCapacity {
+		t.Errorf("node addresses and two policies of policy.MaxEntries make %d entries, a trie holds %d", n, trieCapacity)
+	}
+	if n := 2 * policy.MaxPortSets; n != int(portSetCapacity) {
+		t.Errorf("two policies of policy.MaxPortSets make %d sets, port_sets holds %d", n, portSetCapacity)
 	}
 }

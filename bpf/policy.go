@@ -30,10 +30,16 @@ const (
 // A policy the tries already hold changes nothing, and its tracked flows
 // keep their generation. Callers serialise ApplyPolicy per identifier.
 //
-// Killed at any point, ApplyPolicy leaves what the next call repairs: the
-// state's applying flag, set before the first change, makes that call bump
-// the generation even when the tries already hold its policy; and a port
-// set the tries do not name is deleted.
+// Within a trie, entries are written longest prefix first and stale ones
+// deleted shortest first, so that every address is judged by its old entry
+// or its new one, never by an entry that gives it neither policy's verdict.
+//
+// A policy that the maps cannot hold next to the one it replaces fails
+// (errors wrapping policy.ErrTooManyEntries or ErrTooManyPortSets) before
+// anything changes. Killed at any point, ApplyPolicy leaves what the next
+// call repairs: the state's applying flag, set before the first change,
+// makes that call bump the generation even when the tries already hold its
+// policy, and it first deletes port sets that no entry names.
 //
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
@@ -59,6 +65,9 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 			}
 			sets.reserve(have[d][f])
 		}
+	}
+	if err := sets.removeUnnamed(i.PortSets); err != nil {
+		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
 	}
 
 	var desired [2][2]map[string]*podfencePolicyValue
@@ -86,6 +95,9 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		for f := range desired[d] {
 			sets.use(desired[d][f])
 		}
+	}
+	if err := fits(have, desired, sets); err != nil {
+		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
 	}
 
 	want := st
@@ -118,6 +130,31 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	}
 	if err := sets.removeUnused(i.PortSets); err != nil {
 		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
+	}
+	return nil
+}
+
+// fits checks, before anything changes, that the tries and the port sets
+// can hold the desired policy next to the one it replaces, as they must
+// while it does. Set.Check refuses a policy too large on its own; this also
+// covers one read again after the check.
+func fits(have [2][2]map[string]podfencePolicyValue, desired [2][2]map[string]*podfencePolicyValue, sets *portSets) error {
+	for d := range desired {
+		for f := range desired[d] {
+			n := len(have[d][f])
+			for k := range desired[d][f] {
+				if _, ok := have[d][f][k]; !ok {
+					n++
+				}
+			}
+			if n > int(trieCapacity) {
+				return fmt.Errorf("%s policy of IPv%d: %d entries with those of the policy it replaces, a trie holds %d: %w",
+					policy.Direction(d), 4+2*f, n, trieCapacity, policy.ErrTooManyEntries)
+			}
+		}
+	}
+	if n := len(sets.used); n > policy.MaxPortSets {
+		return fmt.Errorf("%d distinct port sets, at most %d: %w", n, policy.MaxPortSets, policy.ErrTooManyPortSets)
 	}
 	return nil
 }
@@ -195,12 +232,15 @@ func (i *Identifier) Generation() (uint32, error) {
 
 // waitForPrograms returns once every run of a BPF program that started
 // before the call has ended. TC programs run inside RCU read-side critical
-// sections, and membarrier's MEMBARRIER_CMD_GLOBAL is implemented with
-// synchronize_rcu (Linux 4.3+; kernel/sched/membarrier.c), so it waits for
-// exactly them. It costs one grace period (milliseconds), which ApplyPolicy
-// pays only when it opens an isolated direction or drops a port set. The
-// command is refused on nohz_full kernels; a sleep far longer than any
-// program run stands in.
+// sections with preemption off (softirq, or bottom halves disabled), and
+// membarrier's MEMBARRIER_CMD_GLOBAL waits for a grace period
+// (synchronize_rcu from Linux 5.0, synchronize_sched before, which waits
+// for the same non-preemptible sections; kernel/sched/membarrier.c). With
+// one CPU online it returns at once, which is right there: while this
+// process runs, no such section is open. It costs one grace period
+// (milliseconds), which ApplyPolicy pays only when it opens an isolated
+// direction or drops port sets. The command is refused on nohz_full
+// kernels; a sleep far longer than any program run stands in.
 func waitForPrograms() error {
 	const membarrierCmdGlobal = 1 // MEMBARRIER_CMD_GLOBAL, once MEMBARRIER_CMD_SHARED
 	_, _, errno := unix.Syscall(unix.SYS_MEMBARRIER, membarrierCmdGlobal, 0, 0)

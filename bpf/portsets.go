@@ -59,6 +59,35 @@ func (s *portSets) reserve(entries map[string]podfencePolicyValue) {
 	}
 }
 
+// removeUnnamed deletes the sets that no entry of the tries names now, left
+// by an ApplyPolicy that stopped after writing them or before deleting
+// them. They would otherwise hold keys the new policy may need. Like
+// removeUnused, it first lets programs that read an entry naming one
+// finish.
+func (s *portSets) removeUnnamed(m *ebpf.Map) error {
+	var unnamed []uint32
+	for k := range s.inMap {
+		if !s.named[k] {
+			unnamed = append(unnamed, k)
+		}
+	}
+	if len(unnamed) == 0 {
+		return nil
+	}
+	if err := waitForPrograms(); err != nil {
+		return err
+	}
+	for _, k := range unnamed {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete port set %d: %w", k, err)
+		}
+		delete(s.byValue, s.byKey[k])
+		delete(s.byKey, k)
+		delete(s.inMap, k)
+	}
+	return nil
+}
+
 // encode returns the trie contents for entries, keyed by the binary LPM key
 // (4-byte prefix length, then the address bytes). An entry with more port
 // ranges than its value holds names a port set, a new one under a free key
@@ -104,7 +133,7 @@ func (s *portSets) freeKey() (uint32, error) {
 			return s.next, nil
 		}
 	}
-	return 0, fmt.Errorf("port sets: the policy and the one it replaces need more than the %d the datapath holds: %w",
+	return 0, fmt.Errorf("port sets: the policy and the one it replaces need more than the %d an identifier holds: %w",
 		portSetCapacity, policy.ErrTooManyPortSets)
 }
 

@@ -90,18 +90,36 @@ func TestPortSetKeyNamedByEntry(t *testing.T) {
 	}
 }
 
-// namedKeys returns the port-set keys the ingress IPv4 trie's entries name.
+// namedKeys returns the port-set keys the entries of every trie name.
 func namedKeys(t *testing.T, h *harness) map[uint32]bool {
 	t.Helper()
-	entries, err := trieEntries(h.id.Policy[policy.Ingress][0])
+	keys := map[uint32]bool{}
+	for d := range h.id.Policy {
+		for f := range h.id.Policy[d] {
+			entries, err := trieEntries(h.id.Policy[d][f])
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, v := range entries {
+				if namesSet(v) {
+					keys[v.Ports] = true
+				}
+			}
+		}
+	}
+	return keys
+}
+
+// setKeys returns the keys port_sets holds.
+func setKeys(t *testing.T, h *harness) map[uint32]bool {
+	t.Helper()
+	sets, err := readEntries[uint32, podfencePortSet](h.id.PortSets)
 	if err != nil {
 		t.Fatal(err)
 	}
 	keys := map[uint32]bool{}
-	for _, v := range entries {
-		if namesSet(v) {
-			keys[v.Ports] = true
-		}
+	for k := range sets {
+		keys[k] = true
 	}
 	return keys
 }

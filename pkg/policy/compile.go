@@ -7,16 +7,22 @@ import (
 	"slices"
 )
 
-// Limits of the datapath's encoding. An LPM entry holds up to
-// InlinePortRanges port ranges itself; an entry with more (up to
-// MaxPortRanges) names a port set, which every entry with the same ranges
-// shares, and one identifier's policy may have MaxPortSets distinct ones
-// (the datapath holds twice as many, so that a policy's sets and those of
-// the policy replacing it fit at once).
+// Limits of the datapath's encoding. The datapath holds twice MaxEntries
+// and MaxPortSets (plus 256 node addresses per trie), so that a policy and
+// the one replacing it fit at once.
 const (
-	MaxPortRanges    = 64
+	// MaxEntries is how many entries Compile may return for one family:
+	// the prefixes of one direction's trie.
+	MaxEntries = 8064
+	// MaxPortRanges is how many port ranges one entry may allow.
+	MaxPortRanges = 64
+	// InlinePortRanges is how many of them an entry holds itself; an entry
+	// with more names a port set, which every entry with the same ranges
+	// shares.
 	InlinePortRanges = 2
-	MaxPortSets      = 512
+	// MaxPortSets is how many distinct port sets one identifier's policy
+	// may need, across directions and families.
+	MaxPortSets = 512
 )
 
 // Entry is one LPM trie entry: the ports allowed for addresses whose longest
@@ -65,12 +71,34 @@ func (d DirectionPolicy) Compile() (v4, v6 []Entry, err error) {
 	slices.SortFunc(prefixes, func(a, b netip.Prefix) int {
 		return cmp.Or(a.Addr().Compare(b.Addr()), cmp.Compare(a.Bits(), b.Bits()))
 	})
+	// The rules whose CIDR covers a prefix P are those whose CIDR is P
+	// masked to one of the rules' prefix lengths: found by lookups, not by
+	// a scan of every rule for every prefix (a policy listing thousands of
+	// hosts made that seconds).
+	byCIDR := make(map[netip.Prefix][]*Rule)
+	var lengths [2][]int // distinct rule prefix lengths, IPv4 then IPv6
+	for i := range d.Rules {
+		r := &d.Rules[i]
+		c := r.CIDR.Masked()
+		if !c.IsValid() {
+			continue
+		}
+		f := family(c)
+		if _, ok := byCIDR[c]; !ok && !slices.Contains(lengths[f], c.Bits()) {
+			lengths[f] = append(lengths[f], c.Bits())
+		}
+		byCIDR[c] = append(byCIDR[c], r)
+	}
 	for _, p := range prefixes {
 		var ports []PortRange
-		for _, r := range d.Rules {
-			excepted := slices.ContainsFunc(r.Except, func(e netip.Prefix) bool { return covers(e, p) })
-			if covers(r.CIDR, p) && !excepted {
-				ports = append(ports, r.Ports...)
+		for _, l := range lengths[family(p)] {
+			if l > p.Bits() {
+				continue
+			}
+			for _, r := range byCIDR[netip.PrefixFrom(p.Addr(), l).Masked()] {
+				if !slices.ContainsFunc(r.Except, func(e netip.Prefix) bool { return covers(e, p) }) {
+					ports = append(ports, r.Ports...)
+				}
 			}
 		}
 		ports = mergePorts(ports)
@@ -84,6 +112,14 @@ func (d DirectionPolicy) Compile() (v4, v6 []Entry, err error) {
 		}
 	}
 	return v4, v6, nil
+}
+
+// family is 0 for an IPv4 prefix, 1 for IPv6.
+func family(p netip.Prefix) int {
+	if p.Addr().Is4() {
+		return 0
+	}
+	return 1
 }
 
 // covers reports whether outer ⊇ inner; prefixes of different families never

@@ -444,3 +444,29 @@ func TestCheckPortSets(t *testing.T) {
 		t.Fatalf("%d port sets: error %v, want ErrTooManyPortSets naming p.yaml#0 and the count", MaxPortSets+1, err)
 	}
 }
+
+// TestCheckEntries: Check refuses a direction that compiles to more than
+// MaxEntries entries of one family, and counts the families apart.
+func TestCheckEntries(t *testing.T) {
+	hosts := func(n int, v6 bool) []Rule {
+		var rs []Rule
+		for i := range n {
+			a := netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)})
+			if v6 {
+				a = netip.AddrFrom16([16]byte{0: 0xfd, 13: byte(i >> 16), 14: byte(i >> 8), 15: byte(i)})
+			}
+			rs = append(rs, Rule{CIDR: netip.PrefixFrom(a, a.BitLen()), Ports: []PortRange{tcp(80, 80)}})
+		}
+		return rs
+	}
+	full := Set{Sources: []string{"big.yaml#0"}, Egress: DirectionPolicy{Isolated: true,
+		Rules: append(hosts(MaxEntries, false), hosts(MaxEntries, true)...)}}
+	if err := full.Check(); err != nil {
+		t.Fatalf("%d prefixes of each family: %v", MaxEntries, err)
+	}
+	over := Set{Sources: []string{"big.yaml#0"}, Egress: DirectionPolicy{Isolated: true, Rules: hosts(MaxEntries+1, true)}}
+	err := over.Check()
+	if !errors.Is(err, ErrTooManyEntries) || !strings.Contains(err.Error(), "big.yaml#0") || !strings.Contains(err.Error(), "8065 prefixes") {
+		t.Fatalf("%d IPv6 prefixes: error %v, want ErrTooManyEntries naming big.yaml#0 and the count", MaxEntries+1, err)
+	}
+}

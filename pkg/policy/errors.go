@@ -13,6 +13,11 @@ var ErrInvalidDocument = errors.New("invalid policy document")
 // ranges than a datapath LPM value holds (MaxPortRanges).
 var ErrTooManyPortRanges = errors.New("too many port ranges for one prefix")
 
+// ErrTooManyEntries is returned by Set.Check when one direction and family
+// of a policy compiles to more LPM entries than the datapath holds
+// (MaxEntries).
+var ErrTooManyEntries = errors.New("too many prefixes")
+
 // ErrTooManyPortSets is returned by Set.Check when a policy needs more
 // distinct port sets (lists of more than InlinePortRanges ranges) than the
 // datapath holds for one identifier (MaxPortSets).

@@ -60,14 +60,21 @@ type Set struct {
 }
 
 // Check compiles both directions as the datapath will, so that a policy it
-// cannot hold (ErrTooManyPortRanges, ErrTooManyPortSets) is refused before
-// anything changes. The error names the documents the set comes from.
+// cannot hold (ErrTooManyPortRanges, ErrTooManyEntries, ErrTooManyPortSets)
+// is refused before anything changes. The error names the documents the set
+// comes from.
 func (s *Set) Check() error {
 	lists := map[string]bool{}
 	for _, d := range []Direction{Ingress, Egress} {
 		v4, v6, err := s.Direction(d).Compile()
 		if err != nil {
 			return fmt.Errorf("%s rules of %v: %w", d, s.Sources, err)
+		}
+		for _, entries := range [][]Entry{v4, v6} {
+			if len(entries) > MaxEntries {
+				return fmt.Errorf("%s rules of %v: %d prefixes for one address family, at most %d: %w",
+					d, s.Sources, len(entries), MaxEntries, ErrTooManyEntries)
+			}
 		}
 		for _, e := range append(v4, v6...) {
 			if len(e.Ports) > InlinePortRanges {

@@ -146,7 +146,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	call.mark("open-identifier")
 	// The policy is in the maps before the programs are attached:
 	// enforcement starts with the pod's first packet.
-	if err := ident.ApplyPolicy(set); errors.Is(err, policy.ErrTooManyPortRanges) || errors.Is(err, policy.ErrTooManyPortSets) {
+	if err := ident.ApplyPolicy(set); isCapacityError(err) {
 		return policyError(conf, err) // the policy changed since it was checked
 	} else if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
@@ -206,6 +206,12 @@ func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
 
 // policyError is a document that cannot be read, or a policy the datapath
 // cannot hold (101).
+// isCapacityError tells a policy the datapath cannot hold.
+func isCapacityError(err error) bool {
+	return errors.Is(err, policy.ErrTooManyPortRanges) || errors.Is(err, policy.ErrTooManyEntries) ||
+		errors.Is(err, policy.ErrTooManyPortSets)
+}
+
 func policyError(conf *PluginConf, err error) error {
 	return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
 }
