@@ -61,31 +61,9 @@ func (s *portSets) reserve(entries map[string]podfencePolicyValue) {
 
 // removeUnnamed deletes the sets that no entry of the tries names now, left
 // by an ApplyPolicy that stopped after writing them or before deleting
-// them. They would otherwise hold keys the new policy may need. Like
-// removeUnused, it first lets programs that read an entry naming one
-// finish.
+// them. They would otherwise hold keys the new policy may need.
 func (s *portSets) removeUnnamed(m *ebpf.Map) error {
-	var unnamed []uint32
-	for k := range s.inMap {
-		if !s.named[k] {
-			unnamed = append(unnamed, k)
-		}
-	}
-	if len(unnamed) == 0 {
-		return nil
-	}
-	if err := waitForPrograms(); err != nil {
-		return err
-	}
-	for _, k := range unnamed {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("delete port set %d: %w", k, err)
-		}
-		delete(s.byValue, s.byKey[k])
-		delete(s.byKey, k)
-		delete(s.inMap, k)
-	}
-	return nil
+	return s.removeHeldExcept(m, s.named)
 }
 
 // encode returns the trie contents for entries, keyed by the binary LPM key
@@ -163,27 +141,37 @@ func (s *portSets) writeNew(m *ebpf.Map) error {
 	return nil
 }
 
-// removeUnused deletes the sets that no desired entry names, once the
-// programs that might have read an old entry naming one have finished. It
-// runs after the tries hold the desired entries; sets a killed ApplyPolicy
-// left behind go the same way.
+// removeUnused deletes the sets that no desired entry names. It runs after
+// the tries hold the desired entries.
 func (s *portSets) removeUnused(m *ebpf.Map) error {
-	var unused []uint32
+	return s.removeHeldExcept(m, s.used)
+}
+
+// removeHeldExcept deletes the sets the map holds whose keys are not in
+// keep, once the programs that might have read an old entry naming one
+// have finished.
+func (s *portSets) removeHeldExcept(m *ebpf.Map, keep map[uint32]bool) error {
+	var gone []uint32
 	for k := range s.inMap {
-		if !s.used[k] {
-			unused = append(unused, k)
+		if !keep[k] {
+			gone = append(gone, k)
 		}
 	}
-	if len(unused) == 0 {
+	if len(gone) == 0 {
 		return nil
 	}
 	if err := waitForPrograms(); err != nil {
 		return err
 	}
-	for _, k := range unused {
+	for _, k := range gone {
 		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("delete port set %d: %w", k, err)
 		}
+		if set := s.byKey[k]; s.byValue[set] == k {
+			delete(s.byValue, set)
+		}
+		delete(s.byKey, k)
+		delete(s.inMap, k)
 	}
 	return nil
 }
