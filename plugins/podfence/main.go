@@ -435,8 +435,10 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 	if err != nil {
 		return 0, 0, err
 	}
+	kept := false // a member stays, so the pins do (sc.InUse after the removals)
 	for _, m := range sc.Members {
 		if valid[m.Key()] {
+			kept = true
 			continue
 		}
 		if err := removeMember(lock, m); err != nil {
@@ -448,13 +450,24 @@ func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid ma
 	// was in place (nothing was attached for them), and unreadable records
 	// of containers the runtime no longer has: what they attached cannot
 	// be found, but their link pins go with their directories.
-	for _, key := range append(sc.Incomplete, sc.Unreadable...) {
+	for _, key := range sc.Incomplete {
+		if !valid[key] {
+			if err := lock.Remove(key); err != nil {
+				return removed, 0, err
+			}
+		}
+	}
+	for _, key := range sc.Unreadable {
 		if valid[key] {
+			kept = true
 			continue
 		}
 		if err := lock.Remove(key); err != nil {
 			return removed, 0, err
 		}
+	}
+	if kept {
+		return removed, 0, nil
 	}
 	gone, err := removeIfUnused(pinRoot, lock)
 	if err != nil {
