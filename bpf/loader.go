@@ -284,10 +284,14 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 }
 
 func (i *Identifier) openMaps(dir string) error {
-	var err error
 	_, statePinned := os.Stat(filepath.Join(dir, mapState))
-	if i.State, err = openPinnedMap(mapState, dir); err != nil {
-		return err
+	fields := i.mapFields()
+	for _, name := range identifierMaps {
+		m, err := openPinnedMap(name, dir)
+		if err != nil {
+			return err
+		}
+		*fields[name] = m
 	}
 	if statePinned != nil {
 		// A fresh identifier starts at a random generation, so conntrack
@@ -300,20 +304,20 @@ func (i *Identifier) openMaps(dir string) error {
 			return fmt.Errorf("initialise state: %w", err)
 		}
 	}
-	if i.Counters, err = openPinnedMap(mapCounters, dir); err != nil {
-		return err
-	}
-	if i.PortSets, err = openPinnedMap(mapPortSets, dir); err != nil {
-		return err
-	}
-	for d := range policyMaps {
-		for f := range policyMaps[d] {
-			if i.Policy[d][f], err = openPinnedMap(policyMaps[d][f], dir); err != nil {
-				return err
-			}
-		}
-	}
 	return nil
+}
+
+// mapFields are the identifier's map fields by pin name (identifierMaps).
+func (i *Identifier) mapFields() map[string]**ebpf.Map {
+	return map[string]**ebpf.Map{
+		mapState:         &i.State,
+		mapCounters:      &i.Counters,
+		mapPortSets:      &i.PortSets,
+		policyMaps[0][0]: &i.Policy[0][0],
+		policyMaps[0][1]: &i.Policy[0][1],
+		policyMaps[1][0]: &i.Policy[1][0],
+		policyMaps[1][1]: &i.Policy[1][1],
+	}
 }
 
 // openPinnedPrograms reuses pinned programs when both exist and use exactly
@@ -389,13 +393,8 @@ func (i *Identifier) loadPrograms(g *Global) error {
 		return err
 	}
 	repl := g.replacements()
-	repl[mapState] = i.State
-	repl[mapCounters] = i.Counters
-	repl[mapPortSets] = i.PortSets
-	for d := range policyMaps {
-		for f := range policyMaps[d] {
-			repl[policyMaps[d][f]] = i.Policy[d][f]
-		}
+	for name, m := range i.mapFields() {
+		repl[name] = *m
 	}
 	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
@@ -437,7 +436,12 @@ func pinReplacing(p *ebpf.Program, path string) error {
 }
 
 func (i *Identifier) maps() []*ebpf.Map {
-	return []*ebpf.Map{i.State, i.Counters, i.PortSets, i.Policy[0][0], i.Policy[0][1], i.Policy[1][0], i.Policy[1][1]}
+	fields := i.mapFields()
+	maps := make([]*ebpf.Map, 0, len(identifierMaps))
+	for _, name := range identifierMaps {
+		maps = append(maps, *fields[name])
+	}
+	return maps
 }
 
 // Close releases the file descriptors; the pins stay.
@@ -468,19 +472,14 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 // RemoveIdentifier removes every pin of id. Attached hooks keep their
 // programs alive until they are detached; call it only once no member is left.
 func RemoveIdentifier(pinRoot string, id podid.ID) error {
-	if !podid.Valid(string(id)) {
-		return fmt.Errorf("remove identifier %q: %w", id, podid.ErrInvalid)
+	// The programs go first (RemoveObjects). A removal killed midway then
+	// leaves maps without programs, which the next OpenIdentifier
+	// completes; programs whose maps are no longer pinned it would refuse
+	// (ErrIncompatiblePin).
+	if err := RemoveObjects(pinRoot, id); err != nil {
+		return err
 	}
-	dir := IdentifierDir(pinRoot, id)
-	// The programs go first. A removal killed midway then leaves maps
-	// without programs, which the next OpenIdentifier completes; programs
-	// whose maps are no longer pinned it would refuse (ErrIncompatiblePin).
-	for _, pin := range []string{ProgIngressPin, ProgEgressPin} {
-		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("remove identifier %q: %w", id, err)
-		}
-	}
-	if err := os.RemoveAll(dir); err != nil {
+	if err := os.RemoveAll(IdentifierDir(pinRoot, id)); err != nil {
 		return fmt.Errorf("remove identifier %q: %w", id, err)
 	}
 	return nil
