@@ -338,6 +338,14 @@ static __always_inline void ct_key_fill(union ct_key *k, const int family, const
 		CT_FILL(k->v6, pod, pod_port, peer, peer_port, proto, ifindex, 16);
 }
 
+// ct_current tells a tracked flow that passes without a policy lookup: one
+// checked against the current policy generation, or one from the node's
+// own addresses, which every policy allows.
+static __always_inline int ct_current(const struct ct_value *v, __u32 generation)
+{
+	return v->generation == generation || (v->flags & CT_NODE);
+}
+
 // is_related reports whether an ICMP error, whose quote starts quote_off
 // bytes into the frame, is about a flow conntrack holds and the current
 // policy (generation) still allows: "fragmentation needed" or "packet too
@@ -369,7 +377,7 @@ __attribute__((noinline)) int is_related(struct __sk_buff *skb, __u32 quote_off,
 		ct_key_fill(&key, 4, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
 		v = bpf_map_lookup_elem(&ct_v4, &key);
 	}
-	return v && (v->generation == generation || (v->flags & CT_NODE));
+	return v && ct_current(v, generation);
 }
 
 // allow_tracked passes a packet of a tracked flow. The entry is written only
@@ -469,7 +477,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	if (v) {
 		eval_dir = (v->flags & CT_EGRESS) ? DIR_EGRESS : DIR_INGRESS;
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
-		if (v->generation == gen || (v->flags & CT_NODE))
+		if (ct_current(v, gen))
 			return allow_tracked(dir, v, gen, reason, now);
 	}
 	asm volatile("" ::: "memory"); // after the generation (see above)
