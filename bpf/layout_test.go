@@ -45,7 +45,11 @@ func TestLimitsMatchCompiler(t *testing.T) {
 	if n := layouts[mapNodeAddrs].maxEntries + 2*policy.MaxEntries; n != trieCapacity {
 		t.Errorf("node addresses and two policies of policy.MaxEntries make %d entries, a trie holds %d", n, trieCapacity)
 	}
-	if n := 2 * policy.MaxPortSets; n != int(portSetCapacity) {
-		t.Errorf("two policies of policy.MaxPortSets make %d sets, port_sets holds %d", n, portSetCapacity)
+	cs, err := collectionSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := 2 * policy.MaxPortSets; n != int(cs.Maps[mapPortSets].MaxEntries) {
+		t.Errorf("two policies of policy.MaxPortSets make %d sets, port_sets in podfence.c holds %d", n, cs.Maps[mapPortSets].MaxEntries)
 	}
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -16,21 +17,19 @@ import (
 
 func progID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
 	t.Helper()
-	info, err := p.Info()
+	id, err := objinfo.ProgramID(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	id, _ := info.ID()
 	return id
 }
 
 func mapID(t *testing.T, m *ebpf.Map) ebpf.MapID {
 	t.Helper()
-	info, err := m.Info()
+	id, err := objinfo.MapID(m)
 	if err != nil {
 		t.Fatal(err)
 	}
-	id, _ := info.ID()
 	return id
 }
 

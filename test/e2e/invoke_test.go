@@ -33,6 +33,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/netnsutil"
 )
@@ -268,10 +269,8 @@ func (c *cluster) pinnedObjects(id podid.ID) kernelObjects {
 		if err != nil {
 			continue
 		}
-		if info, err := p.Info(); err == nil {
-			if pid, ok := info.ID(); ok {
-				o.progs = append(o.progs, pid)
-			}
+		if pid, err := objinfo.ProgramID(p); err == nil {
+			o.progs = append(o.progs, pid)
 		}
 		p.Close()
 	}
@@ -280,10 +279,8 @@ func (c *cluster) pinnedObjects(id podid.ID) kernelObjects {
 		if err != nil {
 			continue
 		}
-		if info, err := m.Info(); err == nil {
-			if mid, ok := info.ID(); ok {
-				o.maps = append(o.maps, mid)
-			}
+		if mid, err := objinfo.MapID(m); err == nil {
+			o.maps = append(o.maps, mid)
 		}
 		m.Close()
 	}
