@@ -17,6 +17,7 @@
 
 #include "types.h"
 #include "parse.h"
+#include "calls.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -33,14 +34,14 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 131072);
+	__uint(max_entries, CT_V4_ENTRIES);
 	__type(key, struct ct_key_v4);
 	__type(value, struct ct_value);
 } ct_v4 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, CT_V6_ENTRIES);
 	__type(key, struct ct_key_v6);
 	__type(value, struct ct_value);
 } ct_v6 SEC(".maps");
@@ -105,7 +106,7 @@ struct {
 	struct {                                                                                   \
 		__uint(type, BPF_MAP_TYPE_LPM_TRIE);                                               \
 		__uint(map_flags, BPF_F_NO_PREALLOC);                                              \
-		__uint(max_entries, 16384);                                                        \
+		__uint(max_entries, POLICY_TRIE_ENTRIES);                                          \
 		__type(key, keytype);                                                              \
 		__type(value, struct policy_value);                                                \
 	} name SEC(".maps")
@@ -205,10 +206,23 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 	struct policy_value *v;
 	__builtin_memcpy(key.addr, a.b, 16);
 
-	if (sel & SEL_EGRESS)
-		v = bpf_map_lookup_elem((sel & SEL_IPV6) ? (void *)&pol_eg_v6 : (void *)&pol_eg_v4, &key);
-	else
-		v = bpf_map_lookup_elem((sel & SEL_IPV6) ? (void *)&pol_in_v6 : (void *)&pol_in_v4, &key);
+	if (sel & SEL_EGRESS) {
+		if (sel & SEL_IPV6) {
+			v = bpf_map_lookup_elem(&pol_eg_v6, &key);
+			KEEP_APART(0);
+		} else {
+			v = bpf_map_lookup_elem(&pol_eg_v4, &key);
+			KEEP_APART(1);
+		}
+	} else {
+		if (sel & SEL_IPV6) {
+			v = bpf_map_lookup_elem(&pol_in_v6, &key);
+			KEEP_APART(2);
+		} else {
+			v = bpf_map_lookup_elem(&pol_in_v4, &key);
+			KEEP_APART(3);
+		}
+	}
 	if (!v)
 		return POLICY_DENIED;
 	if (v->flags & POLICY_NODE)
@@ -371,11 +385,13 @@ __attribute__((noinline)) int is_related(struct __sk_buff *skb, __u32 quote_off,
 			return 0;
 		ct_key_fill(&key, 6, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
 		v = bpf_map_lookup_elem(&ct_v6, &key);
+		KEEP_APART(6);
 	} else {
 		if (!parse_quoted(data + bounded(quote_off), end, 4, &q))
 			return 0;
 		ct_key_fill(&key, 4, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
 		v = bpf_map_lookup_elem(&ct_v4, &key);
+		KEEP_APART(4);
 	}
 	return v && ct_current(v, generation);
 }
