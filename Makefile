@@ -16,7 +16,7 @@ build:
 
 # Rebuild the bpf2go output from bpf/*.c (needs clang); the result is committed.
 generate:
-	$(GO) generate ./bpf/
+	$(GO) generate ./bpf/...
 
 # Every test, the kernel-facing ones included (root, bpffs at /sys/fs/bpf).
 test:

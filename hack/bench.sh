@@ -8,21 +8,31 @@ benchtime=${BENCHTIME:-500000x}
 # speed, and a ratio is only meaningful when floor and case ran on the same one.
 cpu=${BENCH_CPU:-0}
 go test -c -o /tmp/podfence-bpf.test ./bpf/
-out=$(taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkDatapath' -test.benchtime "$benchtime")
+out=$(taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'Benchmark(Datapath|LowerBound)$' -test.benchtime "$benchtime")
 echo "$out" | grep -E '^(goos|goarch|cpu|Benchmark)'
+table() {
+	echo "$out" | awk -v bench="$1" '$1 ~ "^" bench "/" {
+		name=$1; sub("^" bench "/", "", name); sub(/-[0-9]+$/, "", name)
+		ns=""; x=""; t="-"; ins=""
+		for (i = 3; i < NF; i += 2) {
+			if ($(i+1) == "ns/op") ns=$i
+			if ($(i+1) == "x-floor") x=$i
+			if ($(i+1) == "x-target") t="<= " $i
+			if ($(i+1) == "insns") ins=$i
+		}
+		printf "%-28s %10s %9s %8s %12s\n", name, ns, x, t, ins
+	}'
+}
 echo
+echo "podfence (BenchmarkDatapath)"
 echo "case                          kernel ns   x floor   target   verified insns"
-echo "$out" | awk '/^BenchmarkDatapath/ {
-	name=$1; sub(/^BenchmarkDatapath\//, "", name); sub(/-[0-9]+$/, "", name)
-	ns=""; x=""; t="-"; ins=""
-	for (i = 3; i < NF; i += 2) {
-		if ($(i+1) == "ns/op") ns=$i
-		if ($(i+1) == "x-floor") x=$i
-		if ($(i+1) == "x-target") t="<= " $i
-		if ($(i+1) == "insns") ins=$i
-	}
-	printf "%-28s %10s %9s %8s %12s\n", name, ns, x, t, ins
-}'
+table BenchmarkDatapath
+# The same cases for programs that only parse and use DESIGN.md's maps
+# (bpf/bound): what no datapath on those maps can go below.
+echo
+echo "lower bound on DESIGN.md's maps (BenchmarkLowerBound, bpf/bound)"
+echo "case                          kernel ns   x floor   target   verified insns"
+table BenchmarkLowerBound
 
 # One connection's two directions at once on two CPUs (not pinned to one).
 echo

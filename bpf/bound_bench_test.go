@@ -1,0 +1,115 @@
+package bpf
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/bpf/bound"
+	"github.com/podfence/podfence/test/kernel"
+)
+
+// BenchmarkLowerBound measures the programs of bpf/bound, which do only what
+// any datapath with DESIGN.md's maps must do, the same way BenchmarkDatapath
+// measures podfence, against the same floor:
+//
+//   - ct-hit: parse and one conntrack lookup, repeated in the kernel;
+//   - allow-new-1000cidr: parse, one lookup in a trie of 1,000 prefixes and
+//     the insert of a new conntrack entry, a distinct tuple per run.
+//
+// What podfence costs above these figures is its own logic; what these cost
+// above floor, no program on these maps can save.
+func BenchmarkLowerBound(b *testing.B) {
+	kernel.RequireRoot(b)
+	floor := floorProgram(b)
+	floorRepeat, floorSingle := measureFloor(b, floor)
+
+	for _, fam := range []string{"v4", "v6"} {
+		b.Run("ct-hit/"+fam, func(b *testing.B) {
+			o := loadBound(b)
+			frame := benchPacket(fam, 0, 1, 80).Marshal()
+			fillBoundTrie(b, o, fam, 1)
+			if ret, _, err := o.NewFlow.Test(frame); err != nil || ret != VerdictAllow {
+				b.Fatalf("first packet: verdict %#x, err %v", ret, err)
+			}
+			if ret, _, err := o.CtHit.Test(frame); err != nil || ret != VerdictAllow {
+				b.Fatalf("tracked packet not found: verdict %#x, err %v", ret, err)
+			}
+			report(b, o.CtHit, repeatRun(b, o.CtHit, frame), floorRepeat, 2.5)
+		})
+	}
+	const n = 1000
+	for _, fam := range []string{"v4", "v6"} {
+		b.Run(fmt.Sprintf("allow-new-%dcidr/%s", n, fam), func(b *testing.B) {
+			o := loadBound(b)
+			fillBoundTrie(b, o, fam, n)
+			runs := make([]float64, b.N)
+			for i := 0; i < b.N; i++ {
+				frame := benchPacket(fam, i%n, uint16(1024+i/n%60000), 80).Marshal()
+				ret, d, err := o.NewFlow.Benchmark(frame, 1, nil)
+				if err != nil || ret != VerdictAllow {
+					b.Fatalf("packet %d: verdict %#x, err %v", i, ret, err)
+				}
+				runs[i] = float64(d.Nanoseconds())
+			}
+			report(b, o.NewFlow, median(runs), floorSingle, 7)
+		})
+	}
+}
+
+func loadBound(b *testing.B) *bound.Objects {
+	b.Helper()
+	o, err := bound.Load()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { o.Close() })
+	return o
+}
+
+// fillBoundTrie puts the first n prefixes of benchPrefix in the family's trie.
+func fillBoundTrie(b *testing.B, o *bound.Objects, fam string, n int) {
+	b.Helper()
+	m := o.PolInV4
+	if fam == "v6" {
+		m = o.PolInV6
+	}
+	for i := 0; i < n; i++ {
+		p := benchPrefix(fam, i)
+		key := lpmKey(p)
+		if err := m.Put(key, make([]byte, m.ValueSize())); err != nil {
+			b.Fatalf("trie entry %s: %v", p, err)
+		}
+	}
+}
+
+// TestBoundMatchesDatapath keeps the lower bound honest: its maps must be
+// the datapath's own, in type, key, value, size and flags.
+func TestBoundMatchesDatapath(t *testing.T) {
+	ours, err := loadPodfence()
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs, err := bound.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, m := range theirs.Maps {
+		want, ok := ours.Maps[name]
+		if !ok {
+			t.Errorf("map %s: not in the datapath", name)
+			continue
+		}
+		if !sameShape(m, want) {
+			t.Errorf("map %s: %v %d/%d max %d flags %#x, the datapath's is %v %d/%d max %d flags %#x", name,
+				m.Type, m.KeySize, m.ValueSize, m.MaxEntries, m.Flags,
+				want.Type, want.KeySize, want.ValueSize, want.MaxEntries, want.Flags)
+		}
+	}
+}
+
+func sameShape(a, b *ebpf.MapSpec) bool {
+	return a.Type == b.Type && a.KeySize == b.KeySize && a.ValueSize == b.ValueSize &&
+		a.MaxEntries == b.MaxEntries && a.Flags == b.Flags
+}
