@@ -15,6 +15,10 @@
 #ifndef MAX_EXT_HDRS
 #define MAX_EXT_HDRS 8
 #endif
+// The same for the datagram an ICMPv6 error quotes, where a longer chain
+// leaves the error to be judged on its own. Each header walked there costs
+// the verifier about 250 instructions per program.
+#define MAX_QUOTED_EXT_HDRS 4
 
 // Bytes made linear when the headers are not (GSO, paged skbs). Headers
 // beyond this are treated as truncated.
@@ -149,16 +153,90 @@ static __always_inline int quoted_ports(struct quoted_l4 *q, void *end, struct q
 	return 0;
 }
 
+// bounded returns an offset already checked to be at most PULL_LEN, masked
+// so that the verifier sees the bound on the very register added to the
+// packet pointer: the verifiers of 5.10 and 6.1 (not 6.12) lose a bound
+// learnt from a comparison across a 32-bit register copy, which clang is
+// free to make between the check and the addition.
+static __always_inline __u32 bounded(__u32 off)
+{
+	// Hide the range from clang, which would otherwise drop the mask as
+	// redundant after the caller's check.
+	asm volatile("" : "+r"(off));
+	return off & (2 * PULL_LEN - 1);
+}
+
+static __always_inline int is_ext_hdr(__u32 next)
+{
+	return next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
+	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH;
+}
+
+// ext_walk is where a walk of IPv6 extension headers ended.
+struct ext_walk {
+	__u32 off;     // from the start of the frame: the upper-layer header
+	__u32 next;    // the upper-layer protocol
+	__u32 frag_id; // the datagram's identification (network order), for fragments
+	__u8 frag;     // enum frag_kind; for FRAG_LATER, off is not an upper-layer header
+};
+
+// walk_ext_hdrs follows the extension headers after an IPv6 header that
+// ends off bytes into the frame and names next as its next header. It
+// stops early at a non-first fragment, which has no upper-layer header.
+static __always_inline int walk_ext_hdrs(void *data, void *end, __u32 off, __u32 next,
+					 const int max, struct ext_walk *w)
+{
+	w->frag = FRAG_NONE;
+	w->frag_id = 0;
+	// The common case, an upper-layer header right after the IPv6 header,
+	// skips the walk.
+	int i;
+	for (i = 0; i < max && is_ext_hdr(next); i++) {
+		if (off > PULL_LEN)
+			return PARSE_MALFORMED;
+		struct ext_hdr *h = data + bounded(off);
+		if ((void *)(h + 1) > end)
+			return PARSE_MALFORMED;
+		__u32 is_frag = is_zero(next ^ IPPROTO_FRAGMENT);
+		if (is_frag && (h->frag_off & bpf_htons(0xfff8))) {
+			w->next = h->nexthdr;
+			w->frag = FRAG_LATER;
+			w->frag_id = h->frag_id;
+			return PARSE_OK;
+		}
+		// A first fragment has the M flag; its identification is kept.
+		// Masks, not branches: one path for the verifier to follow.
+		w->frag |= is_frag & bpf_ntohs(h->frag_off);
+		w->frag_id = (w->frag_id & (is_frag - 1)) | (h->frag_id & -is_frag);
+		// The length without a branch per header type, so the verifier
+		// follows one path through each iteration instead of three:
+		// AH counts 4-byte units less 2, the others 8-byte units less 1,
+		// and the fragment header (whose length byte is reserved) is 8.
+		__u32 is_ah = is_zero(next ^ IPPROTO_AH);
+		__u32 units = (__u32)h->hdrlen & (is_frag - 1);
+		off += (units + 1 + is_ah) << (3 - is_ah);
+		next = h->nexthdr;
+	}
+	if (i == max && is_ext_hdr(next))
+		return PARSE_MALFORMED;
+	if (off > PULL_LEN)
+		return PARSE_MALFORMED;
+	w->off = off;
+	w->next = next;
+	return PARSE_OK;
+}
+
 // parse_quoted reads the datagram an ICMP error of the given family quotes,
-// which starts at q, into qd. It returns 1 only when it found a tuple that
-// conntrack could hold: an IPv4 header (options allowed, not a later
-// fragment) or an IPv6 header followed directly by TCP, UDP, SCTP or
-// ICMPv6, and their ports. Anything else leaves the error to be judged as a
-// flow of its own.
-static __always_inline int parse_quoted(void *q, void *end, const int family, struct quoted *qd)
+// which starts off bytes into the frame, into qd. It returns 1 only when it
+// found a tuple that conntrack could hold: an IPv4 header (options allowed)
+// or an IPv6 header (extension headers allowed), not of a later fragment,
+// then TCP, UDP, SCTP or ICMP echo, and their ports. Anything else leaves
+// the error to be judged as a flow of its own.
+static __always_inline int parse_quoted(void *data, __u32 off, void *end, const int family,
+					struct quoted *qd)
 {
 	if (family == 4) {
-		struct iphdr *ip = q;
+		struct iphdr *ip = data + bounded(off);
 		if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
 			return 0;
 		if (ip->frag_off & bpf_htons(0x1fff))
@@ -168,13 +246,17 @@ static __always_inline int parse_quoted(void *q, void *end, const int family, st
 		qd->dst.v4 = ip->daddr;
 		return quoted_ports((void *)ip + ip->ihl * 4, end, qd);
 	}
-	struct ipv6hdr *ip6 = q;
+	struct ipv6hdr *ip6 = data + bounded(off);
 	if ((void *)(ip6 + 1) > end || ip6->version != 6)
 		return 0;
-	qd->proto = ip6->nexthdr;
+	struct ext_walk w;
+	if (walk_ext_hdrs(data, end, off + sizeof(*ip6), ip6->nexthdr, MAX_QUOTED_EXT_HDRS, &w) != PARSE_OK ||
+	    w.frag == FRAG_LATER)
+		return 0;
+	qd->proto = w.next;
 	__builtin_memcpy(qd->src.v6, &ip6->saddr, 16);
 	__builtin_memcpy(qd->dst.v6, &ip6->daddr, 16);
-	return quoted_ports((void *)(ip6 + 1), end, qd);
+	return quoted_ports(data + bounded(w.off), end, qd);
 }
 
 // parse_l4 reads ports at l4, which is l4_off bytes into the frame. A non-first fragment carries no L4 header: its
@@ -253,25 +335,6 @@ static __always_inline int parse_ipv4(void *data, void *end, struct flow *f)
 	return parse_l4(l4, sizeof(struct ethhdr) + ip->ihl * 4, end, f, !(ip->frag_off & bpf_htons(0x1fff)));
 }
 
-// bounded returns an offset already checked to be at most PULL_LEN, masked
-// so that the verifier sees the bound on the very register added to the
-// packet pointer: the verifiers of 5.10 and 6.1 (not 6.12) lose a bound
-// learnt from a comparison across a 32-bit register copy, which clang is
-// free to make between the check and the addition.
-static __always_inline __u32 bounded(__u32 off)
-{
-	// Hide the range from clang, which would otherwise drop the mask as
-	// redundant after the caller's check.
-	asm volatile("" : "+r"(off));
-	return off & (2 * PULL_LEN - 1);
-}
-
-static __always_inline int is_ext_hdr(__u32 next)
-{
-	return next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
-	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH;
-}
-
 static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 {
 	struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
@@ -284,50 +347,22 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	__builtin_memcpy(f->src.v6, &ip6->saddr, 16);
 	__builtin_memcpy(f->dst.v6, &ip6->daddr, 16);
 
-	__u32 next = ip6->nexthdr;
-	__u32 off = sizeof(struct ethhdr) + sizeof(struct ipv6hdr);
-
-	// The common case, an upper-layer header right after the IPv6 header,
-	// skips the walk.
-	int i;
-	for (i = 0; i < MAX_EXT_HDRS && is_ext_hdr(next); i++) {
-		if (off > PULL_LEN)
-			return PARSE_MALFORMED;
-		struct ext_hdr *h = data + bounded(off);
-		if ((void *)(h + 1) > end)
-			return PARSE_MALFORMED;
-		__u32 is_frag = is_zero(next ^ IPPROTO_FRAGMENT);
-		// A non-first fragment has no upper-layer header to read: stop
-		// here with ports 0.
-		if (is_frag && (h->frag_off & bpf_htons(0xfff8))) {
-			f->proto = h->nexthdr;
-			f->frag = FRAG_LATER;
-			f->frag_id = h->frag_id;
-			return PARSE_OK;
-		}
-		// A first fragment has the M flag; its identification is kept
-		// (masks, not branches, as above).
-		f->frag |= is_frag & bpf_ntohs(h->frag_off);
-		f->frag_id = (f->frag_id & (is_frag - 1)) | (h->frag_id & -is_frag);
-		// The length without a branch per header type, so the verifier
-		// follows one path through each iteration instead of three:
-		// AH counts 4-byte units less 2, the others 8-byte units less 1,
-		// and the fragment header (whose length byte is reserved) is 8.
-		__u32 is_ah = is_zero(next ^ IPPROTO_AH);
-		__u32 units = (__u32)h->hdrlen & (is_frag - 1);
-		off += (units + 1 + is_ah) << (3 - is_ah);
-		next = h->nexthdr;
-	}
-	if (i == MAX_EXT_HDRS && is_ext_hdr(next))
+	struct ext_walk w;
+	if (walk_ext_hdrs(data, end, sizeof(struct ethhdr) + sizeof(*ip6), ip6->nexthdr, MAX_EXT_HDRS,
+			  &w) != PARSE_OK)
 		return PARSE_MALFORMED;
-	if (off > PULL_LEN)
-		return PARSE_MALFORMED;
+	f->proto = w.next;
+	f->frag = w.frag;
+	f->frag_id = w.frag_id;
+	// A non-first fragment has no upper-layer header to read: its ports
+	// stay 0.
+	if (w.frag == FRAG_LATER)
+		return PARSE_OK;
 
-	void *l4 = data + bounded(off);
+	void *l4 = data + bounded(w.off);
 	if (l4 > end)
 		return PARSE_MALFORMED;
-	f->proto = next;
-	int r = parse_l4(l4, off, end, f, 1);
+	int r = parse_l4(l4, w.off, end, f, 1);
 	// Neighbour discovery is IPv6's ARP: without it a pod cannot reach its
 	// gateway at all, whatever the policy. A hop limit of 255 proves that
 	// it was sent on this link (RFC 4861 7.1.1), so nothing from beyond

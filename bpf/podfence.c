@@ -381,13 +381,13 @@ __attribute__((noinline)) int is_related(struct __sk_buff *skb, __u32 quote_off,
 	union ct_key key;
 	struct ct_value *v;
 	if (sel & SEL_IPV6) {
-		if (!parse_quoted(data + bounded(quote_off), end, 6, &q))
+		if (!parse_quoted(data, quote_off, end, 6, &q))
 			return 0;
 		ct_key_fill(&key, 6, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
 		v = bpf_map_lookup_elem(&ct_v6, &key);
 		KEEP_APART(6);
 	} else {
-		if (!parse_quoted(data + bounded(quote_off), end, 4, &q))
+		if (!parse_quoted(data, quote_off, end, 4, &q))
 			return 0;
 		ct_key_fill(&key, 4, !dir, q.src.v6, q.dst.v6, q.sport, q.dport, q.proto, skb->ifindex);
 		v = bpf_map_lookup_elem(&ct_v4, &key);

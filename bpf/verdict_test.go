@@ -236,6 +236,18 @@ func verdictCases() []verdictCase {
 		{"packet too big for an egress flow v6", isolate(rules(), rules(rule("fd01::/64"))), []step{
 			send(out, syn(tcp(pod6, peer6, 40000, 443)), ReasonPolicyAllow),
 			send(in, packet.ICMPError(ip(router6), tcp(pod6, peer6, 40000, 443), 2), ReasonCTRelated)}},
+		{"packet too big quoting extension headers v6", isolate(rules(), rules(rule("fd01::/64"))), []step{
+			send(out, ext(syn(tcp(pod6, peer6, 40000, 443)), extHdrs(0, 60)...), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router6), ext(tcp(pod6, peer6, 40000, 443), extHdrs(0, 60)...), 2), ReasonCTRelated),
+			send(in, packet.ICMPError(ip(router6), ext(tcp(pod6, peer6, 40000, 443), frag6first), 2), ReasonCTRelated),
+			send(in, packet.ICMPError(ip(router6), ext(tcp(pod6, peer6, 40001, 443), extHdrs(0, 60)...), 2), ReasonPolicyDeny),
+			// Past MAX_QUOTED_EXT_HDRS the quote is not read.
+			send(out, ext(syn(tcp(pod6, peer6, 40002, 443)), extHdrs(0, 60, 43, 60, 60)...), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router6), ext(tcp(pod6, peer6, 40002, 443), extHdrs(0, 60, 43, 60)...), 2), ReasonCTRelated),
+			send(in, packet.ICMPError(ip(router6), ext(tcp(pod6, peer6, 40002, 443), extHdrs(0, 60, 43, 60, 60)...), 2), ReasonPolicyDeny)}},
+		{"error about a later fragment is judged alone v6", isolate(rules(), rules(rule("fd01::/64"))), []step{
+			send(out, ext(udp(pod6, peer6, 3333, 53), frag6first), ReasonPolicyAllow),
+			send(in, packet.ICMPError(ip(router6), ext(udp(pod6, peer6, 3333, 53), frag6), 3), ReasonPolicyDeny)}},
 		{"port unreachable from the peer v6", isolate(rules(), rules(rule("fd01::/64", udpPort(53)))), []step{
 			send(out, udp(pod6, peer6, 3333, 53), ReasonPolicyAllow),
 			send(in, packet.ICMPError(ip(peer6), udp(pod6, peer6, 3333, 53), 1), ReasonCTRelated)}},
