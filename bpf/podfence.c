@@ -16,6 +16,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "types.h"
+#include "maps.h"
 #include "parse.h"
 #include "calls.h"
 
@@ -32,19 +33,8 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 
 // ---- Global maps, pinned once per node and shared by every identifier ----
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, CT_V4_ENTRIES);
-	__type(key, struct ct_key_v4);
-	__type(value, struct ct_value);
-} ct_v4 SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, CT_V6_ENTRIES);
-	__type(key, struct ct_key_v6);
-	__type(value, struct ct_value);
-} ct_v6 SEC(".maps");
+CT_MAP(ct_v4, struct ct_key_v4, CT_V4_ENTRIES);
+CT_MAP(ct_v6, struct ct_key_v6, CT_V6_ENTRIES);
 
 // Ports of fragmented datagrams, recorded from each first fragment so that
 // the later ones, which carry no transport header, are judged with them.
@@ -101,15 +91,6 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } counters SEC(".maps");
-
-#define POLICY_TRIE(name, keytype)                                                                 \
-	struct {                                                                                   \
-		__uint(type, BPF_MAP_TYPE_LPM_TRIE);                                               \
-		__uint(map_flags, BPF_F_NO_PREALLOC);                                              \
-		__uint(max_entries, POLICY_TRIE_ENTRIES);                                          \
-		__type(key, keytype);                                                              \
-		__type(value, struct policy_value);                                                \
-	} name SEC(".maps")
 
 POLICY_TRIE(pol_in_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_in_v6, struct lpm_key_v6);

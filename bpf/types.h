@@ -11,12 +11,6 @@
 #define MAX_PORT_RANGES 64
 #endif
 
-// Map sizes that bpf/bound shares with the datapath, so that its lower
-// bound is measured on maps of the same size.
-#define CT_V4_ENTRIES 131072
-#define CT_V6_ENTRIES 65536
-#define POLICY_TRIE_ENTRIES 16384
-
 enum direction {
 	DIR_INGRESS = 0, // traffic to the pod: runs at the host veth's TC egress
 	DIR_EGRESS = 1,  // traffic from the pod: runs at the host veth's TC ingress
