@@ -23,7 +23,7 @@ test:
 	$(GO) vet $(PKGS)
 	$(GO) test -count=1 $(PKGS)
 	$(GO) test -count=1 -race ./pkg/...
-	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies' ./bpf/
+	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/
 	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
 
 # The kernel-facing tests (./bpf, ./pkg/attach) in qemu guests on Debian's

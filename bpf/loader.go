@@ -387,6 +387,9 @@ func isConstants(id ebpf.MapID) bool {
 	return err == nil && strings.HasSuffix(name, ".rodata")
 }
 
+// loadPrograms loads the two programs at once, each in a goroutine of its
+// own: the kernel verifies privileged loads concurrently, and verification
+// is most of what a first replica's ADD waits for.
 func (i *Identifier) loadPrograms(g *Global) error {
 	cs, err := loadableSpec()
 	if err != nil {
@@ -396,18 +399,27 @@ func (i *Identifier) loadPrograms(g *Global) error {
 	for name, m := range i.mapFields() {
 		repl[name] = *m
 	}
-	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{MapReplacements: repl})
-	if err != nil {
-		var ve *ebpf.VerifierError
-		if errors.As(err, &ve) {
-			return fmt.Errorf("load programs: %+v", ve)
-		}
-		return fmt.Errorf("load programs: %w", err)
+	names := [...]string{progIngress, progEgress}
+	var progs [len(names)]*ebpf.Program
+	var errs [len(names)]error
+	var wg sync.WaitGroup
+	for k, name := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			progs[k], errs[k] = loadProgram(cs, name, repl)
+		}()
 	}
-	i.Ingress, i.Egress = coll.Programs[progIngress], coll.Programs[progEgress]
-	delete(coll.Programs, progIngress)
-	delete(coll.Programs, progEgress)
-	coll.Close()
+	wg.Wait()
+	if err := errors.Join(errs[:]...); err != nil {
+		for _, p := range progs {
+			if p != nil {
+				p.Close()
+			}
+		}
+		return err
+	}
+	i.Ingress, i.Egress = progs[0], progs[1]
 
 	for _, p := range []struct {
 		prog *ebpf.Program
@@ -418,6 +430,30 @@ func (i *Identifier) loadPrograms(g *Global) error {
 		}
 	}
 	return nil
+}
+
+// loadProgram loads the program name of cs alone, with the maps of repl.
+// The spec is copied: loads run concurrently, and each creates its own
+// copy of the read-only constants.
+func loadProgram(cs *ebpf.CollectionSpec, name string, repl map[string]*ebpf.Map) (*ebpf.Program, error) {
+	one := cs.Copy()
+	for other := range one.Programs {
+		if other != name {
+			delete(one.Programs, other)
+		}
+	}
+	coll, err := ebpf.NewCollectionWithOptions(one, ebpf.CollectionOptions{MapReplacements: repl})
+	if err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return nil, fmt.Errorf("load program %s: %+v", name, ve)
+		}
+		return nil, fmt.Errorf("load program %s: %w", name, err)
+	}
+	p := coll.Programs[name]
+	delete(coll.Programs, name)
+	coll.Close()
+	return p, nil
 }
 
 // pinReplacing pins p at path. A stale pin (left by a killed plugin) is
