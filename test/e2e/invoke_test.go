@@ -595,12 +595,22 @@ func (c *cluster) checkReachable(t *testing.T, when string, slots []*slot) {
 
 // listDir lists a directory tree below dir, for error messages.
 func listDir(dir string) string {
-	var names []string
-	_ = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err == nil && path != dir {
-			names = append(names, strings.TrimPrefix(path, dir+"/"))
+	names, _ := walkTree(dir) // for messages: a directory may be gone
+	return "[" + strings.Join(names, " ") + "]"
+}
+
+// walkTree lists the paths below root, relative to it, in lexical order.
+func walkTree(root string) ([]string, error) {
+	var out []string
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if path != root {
+			rel, _ := filepath.Rel(root, path)
+			out = append(out, rel)
 		}
 		return nil
 	})
-	return "[" + strings.Join(names, " ") + "]"
+	return out, err
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -220,14 +219,11 @@ func lcIfindex(t *testing.T, c *cluster, name string) int {
 // lcAttached lists the programs on both hooks of the node's interface.
 func lcAttached(t *testing.T, c *cluster, ifindex int) (ingress, egress []ebpf.ProgramID) {
 	t.Helper()
-	if err := c.inNode(func() error {
-		var err error
-		if ingress, err = attach.Attached(ifindex, attach.HookIngress); err != nil {
-			return err
-		}
-		egress, err = attach.Attached(ifindex, attach.HookEgress)
-		return err
-	}); err != nil {
+	var err error
+	if ingress, err = c.attached(ifindex, attach.HookIngress); err != nil {
+		t.Fatal(err)
+	}
+	if egress, err = c.attached(ifindex, attach.HookEgress); err != nil {
 		t.Fatal(err)
 	}
 	return ingress, egress
@@ -283,17 +279,7 @@ func lcRequireGone(t *testing.T, c *cluster, p *pod) {
 // lcTree lists every path below root, relative to it, sorted.
 func lcTree(t *testing.T, root string) []string {
 	t.Helper()
-	var out []string
-	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if path != root {
-			rel, _ := filepath.Rel(root, path)
-			out = append(out, rel)
-		}
-		return nil
-	})
+	out, err := walkTree(root)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,29 +311,6 @@ func lcIdentifiers(t *testing.T, c *cluster) []string {
 	}
 	slices.Sort(out)
 	return out
-}
-
-// lcWaitFreed waits until the kernel has released the programs (they go
-// once no pin, link or filter holds them; release is asynchronous).
-func lcWaitFreed(t *testing.T, ids ...ebpf.ProgramID) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for _, id := range ids {
-		for {
-			p, err := ebpf.NewProgramFromID(id)
-			if errors.Is(err, os.ErrNotExist) {
-				break
-			}
-			if err == nil {
-				p.Close()
-			}
-			if time.Now().After(deadline) {
-				t.Errorf("program %d still loaded (%v)", id, err)
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
 }
 
 // lcAddPodOwnNS adds a pod whose network namespace the test may destroy
@@ -463,7 +426,7 @@ func TestDelRepeatedAndUnknown(t *testing.T) {
 					t.Fatal("the last member's DEL left the identifier")
 				}
 			}
-			lcWaitFreed(t, progIn, progEg)
+			waitFreed(t, "identifier", kernelObjects{progs: []ebpf.ProgramID{progIn, progEg}})
 			if ids := lcIdentifiers(t, c); len(ids) != 0 {
 				t.Errorf("identifiers left: %v", ids)
 			}
@@ -507,7 +470,7 @@ func TestDelAfterPodGone(t *testing.T) {
 			if pins := lcLinkPins(t, c.pinRoot); len(pins) != 0 {
 				t.Errorf("link pins left: %v", pins)
 			}
-			lcWaitFreed(t, progIn, progEg)
+			waitFreed(t, "identifier", kernelObjects{progs: []ebpf.ProgramID{progIn, progEg}})
 		})
 	}
 }
@@ -558,7 +521,7 @@ func TestDelContainerdShapes(t *testing.T) {
 			if exists(c.identifierDir(webID)) {
 				t.Errorf("the last member's DEL left the identifier")
 			}
-			lcWaitFreed(t, progIn, progEg)
+			waitFreed(t, "identifier", kernelObjects{progs: []ebpf.ProgramID{progIn, progEg}})
 			lcRequireEnforced(t, c, client)
 
 			// The runtime's regular DELs that follow change nothing.
@@ -715,7 +678,7 @@ func TestGC(t *testing.T) {
 			if pins := lcLinkPins(t, c.pinRoot); len(pins) != 0 {
 				t.Errorf("link pins left: %v", pins)
 			}
-			lcWaitFreed(t, webIn, webEg)
+			waitFreed(t, "identifier", kernelObjects{progs: []ebpf.ProgramID{webIn, webEg}})
 		})
 	}
 }
