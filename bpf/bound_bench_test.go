@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -10,16 +11,20 @@ import (
 	"github.com/podfence/podfence/test/kernel"
 )
 
-// BenchmarkLowerBound measures the programs of bpf/bound, which do only what
-// any datapath with DESIGN.md's maps must do, the same way BenchmarkDatapath
-// measures podfence, against the same floor:
+// BenchmarkLowerBound measures the programs of bpf/bound, which parse a
+// packet and do no more than the map operations DESIGN.md prescribes for
+// it, the same way BenchmarkDatapath measures podfence (an empty program
+// measured the same way in this run is floor):
 //
-//   - ct-hit: parse and one conntrack lookup, repeated in the kernel;
+//   - ct-hit: parse, one conntrack lookup, the generation check and the
+//     refresh of last_seen, repeated in the kernel;
 //   - allow-new-1000cidr: parse, one lookup in a trie of 1,000 prefixes and
 //     the insert of a new conntrack entry, a distinct tuple per run.
 //
-// What podfence costs above these figures is its own logic; what these cost
-// above floor, no program on these maps can save.
+// What podfence costs above these figures is its own logic (wider parsing,
+// ports, counters); what these cost above floor, no program on these maps
+// can save. They have no targets of their own: hack/bench.sh prints them
+// below podfence's, whose targets they show to be reachable or not.
 func BenchmarkLowerBound(b *testing.B) {
 	kernel.RequireRoot(b)
 	floor := floorProgram(b)
@@ -36,7 +41,7 @@ func BenchmarkLowerBound(b *testing.B) {
 			if ret, _, err := o.CtHit.Test(frame); err != nil || ret != VerdictAllow {
 				b.Fatalf("tracked packet not found: verdict %#x, err %v", ret, err)
 			}
-			report(b, o.CtHit, repeatRun(b, o.CtHit, frame), floorRepeat, 2.5)
+			report(b, o.CtHit, repeatRun(b, o.CtHit, frame), floorRepeat, 0)
 		})
 	}
 	const n = 1000
@@ -53,7 +58,7 @@ func BenchmarkLowerBound(b *testing.B) {
 				}
 				runs[i] = float64(d.Nanoseconds())
 			}
-			report(b, o.NewFlow, median(runs), floorSingle, 7)
+			report(b, o.NewFlow, median(runs), floorSingle, 0)
 		})
 	}
 }
@@ -95,7 +100,16 @@ func TestBoundMatchesDatapath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	names := []string{"ct_v4", "ct_v6", "pol_in_v4", "pol_in_v6", "state", "tick_clock"}
+	for _, name := range names {
+		if theirs.Maps[name] == nil {
+			t.Errorf("map %s: not in the lower bound's object", name)
+		}
+	}
 	for name, m := range theirs.Maps {
+		if strings.HasPrefix(name, ".") {
+			continue // .rodata and the like: each object's own constants
+		}
 		want, ok := ours.Maps[name]
 		if !ok {
 			t.Errorf("map %s: not in the datapath", name)

@@ -30,3 +30,12 @@
 		__type(key, keytype);                                                              \
 		__type(value, struct policy_value);                                                \
 	} name SEC(".maps")
+
+// An identifier's state: one entry, its policy generation and isolation.
+#define STATE_MAP(name)                                                                            \
+	struct {                                                                                   \
+		__uint(type, BPF_MAP_TYPE_ARRAY);                                                  \
+		__uint(max_entries, 1);                                                            \
+		__type(key, __u32);                                                                \
+		__type(value, struct id_state);                                                    \
+	} name SEC(".maps")

@@ -177,7 +177,7 @@ struct ext_walk {
 	__u32 off;     // from the start of the frame: the upper-layer header
 	__u32 next;    // the upper-layer protocol
 	__u32 frag_id; // the datagram's identification (network order), for fragments
-	__u8 frag;     // enum frag_kind; for FRAG_LATER, off is not an upper-layer header
+	__u8 frag;     // enum frag_kind; for FRAG_LATER, off is unset
 };
 
 // walk_ext_hdrs follows the extension headers after an IPv6 header that
@@ -230,8 +230,9 @@ static __always_inline int walk_ext_hdrs(void *data, void *end, __u32 off, __u32
 // which starts off bytes into the frame, into qd. It returns 1 only when it
 // found a tuple that conntrack could hold: an IPv4 header (options allowed)
 // or an IPv6 header (extension headers allowed), not of a later fragment,
-// then TCP, UDP, SCTP or ICMP echo, and their ports. Anything else leaves
-// the error to be judged as a flow of its own.
+// then TCP, UDP, SCTP or ICMP echo, and their ports, all within the first
+// PULL_LEN bytes of the frame. Anything else leaves the error to be judged
+// as a flow of its own.
 static __always_inline int parse_quoted(void *data, __u32 off, void *end, const int family,
 					struct quoted *qd)
 {

@@ -27,8 +27,9 @@ echo
 echo "podfence (BenchmarkDatapath)"
 echo "case                          kernel ns   x floor   target   verified insns"
 table BenchmarkDatapath
-# The same cases for programs that only parse and use DESIGN.md's maps
-# (bpf/bound): what no datapath on those maps can go below.
+# The same cases for programs that parse and do no more than the map
+# operations DESIGN.md prescribes (bpf/bound): what no datapath on those maps
+# can go below, to hold against the targets above.
 echo
 echo "lower bound on DESIGN.md's maps (BenchmarkLowerBound, bpf/bound)"
 echo "case                          kernel ns   x floor   target   verified insns"

@@ -1,12 +1,13 @@
 //go:build ignore
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 //
-// The least a datapath with DESIGN.md's maps can cost: the two programs do
-// only what any such datapath must do for a packet, on podfence's own map
-// definitions (../maps.h), so that BenchmarkLowerBound in ../ can put
-// podfence's figures beside them. They handle untagged Ethernet, IPv4
-// without options or IPv6 without extension headers, and TCP or UDP:
-// nothing else that a real datapath checks.
+// The least a datapath with DESIGN.md's maps can cost: the two programs
+// parse a packet and do the map operations DESIGN.md prescribes for it, on
+// podfence's own map definitions (../maps.h) and clock (../clock.h), so
+// that BenchmarkLowerBound in ../ can put podfence's figures beside them.
+// They handle untagged Ethernet, IPv4 without options or IPv6 without
+// extension headers, and TCP or UDP; they count nothing and evaluate no
+// ports: nothing else that a real datapath checks.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -17,6 +18,7 @@
 #include <bpf/bpf_endian.h>
 
 #include "../maps.h"
+#include "../clock.h"
 #include "../calls.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
@@ -25,6 +27,7 @@ CT_MAP(ct_v4, struct ct_key_v4, CT_V4_ENTRIES);
 CT_MAP(ct_v6, struct ct_key_v6, CT_V6_ENTRIES);
 POLICY_TRIE(pol_in_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
+STATE_MAP(state);
 
 // Ports of a TCP or UDP header: both start with them.
 struct l4_ports {
@@ -69,7 +72,28 @@ static __always_inline __u16 ether_type(void *data, void *end)
 	return (void *)(eth + 1) > end ? 0 : eth->h_proto;
 }
 
-// ct_hit is a conntrack hit: parse, and one lookup of the packet's key.
+// generation is the identifier's policy generation.
+static __always_inline __u32 generation(void)
+{
+	__u32 zero = 0;
+	struct id_state *st = bpf_map_lookup_elem(&state, &zero);
+	return st ? st->generation : 0;
+}
+
+// tracked passes a tracked flow checked against the current generation, and
+// refreshes its last_seen.
+static __always_inline int tracked(struct ct_value *v)
+{
+	if (!v || v->generation != generation())
+		return TC_ACT_SHOT;
+	__u64 now = now_ns();
+	if ((__s64)(now - v->last_seen_ns) > 0)
+		v->last_seen_ns = now;
+	return TC_ACT_UNSPEC;
+}
+
+// ct_hit is a conntrack hit: parse, one lookup of the packet's key, the
+// generation check and the refresh of last_seen.
 SEC("tc")
 int ct_hit(struct __sk_buff *skb)
 {
@@ -79,38 +103,39 @@ int ct_hit(struct __sk_buff *skb)
 	case bpf_htons(ETH_P_IP): {
 		struct ct_key_v4 k;
 		struct lpm_key_v4 peer;
-		if (!keys_v4(skb, data, end, &k, &peer) || !bpf_map_lookup_elem(&ct_v4, &k))
+		if (!keys_v4(skb, data, end, &k, &peer))
 			return TC_ACT_SHOT;
+		struct ct_value *v = bpf_map_lookup_elem(&ct_v4, &k);
 		KEEP_APART(4);
-		return TC_ACT_UNSPEC;
+		return tracked(v);
 	}
 	case bpf_htons(ETH_P_IPV6): {
 		struct ct_key_v6 k;
 		struct lpm_key_v6 peer;
-		if (!keys_v6(skb, data, end, &k, &peer) || !bpf_map_lookup_elem(&ct_v6, &k))
+		if (!keys_v6(skb, data, end, &k, &peer))
 			return TC_ACT_SHOT;
+		struct ct_value *v = bpf_map_lookup_elem(&ct_v6, &k);
 		KEEP_APART(6);
-		return TC_ACT_UNSPEC;
+		return tracked(v);
 	}
 	}
 	return TC_ACT_SHOT;
 }
 
 // new_flow is an allowed new flow: parse, one trie lookup of the peer, and
-// the insert of its conntrack entry, stamped with the time.
+// the insert of its conntrack entry with the time and the generation.
 SEC("tc")
 int new_flow(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
-	struct ct_value nv = {};
 	switch (ether_type(data, end)) {
 	case bpf_htons(ETH_P_IP): {
 		struct ct_key_v4 k;
 		struct lpm_key_v4 peer;
 		if (!keys_v4(skb, data, end, &k, &peer) || !bpf_map_lookup_elem(&pol_in_v4, &peer))
 			return TC_ACT_SHOT;
-		nv.last_seen_ns = bpf_ktime_get_ns();
+		struct ct_value nv = {.last_seen_ns = now_ns(), .generation = generation()};
 		bpf_map_update_elem(&ct_v4, &k, &nv, BPF_ANY);
 		KEEP_APART(4);
 		return TC_ACT_UNSPEC;
@@ -120,7 +145,7 @@ int new_flow(struct __sk_buff *skb)
 		struct lpm_key_v6 peer;
 		if (!keys_v6(skb, data, end, &k, &peer) || !bpf_map_lookup_elem(&pol_in_v6, &peer))
 			return TC_ACT_SHOT;
-		nv.last_seen_ns = bpf_ktime_get_ns();
+		struct ct_value nv = {.last_seen_ns = now_ns(), .generation = generation()};
 		bpf_map_update_elem(&ct_v6, &k, &nv, BPF_ANY);
 		KEEP_APART(6);
 		return TC_ACT_UNSPEC;

@@ -13,6 +13,12 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type boundCachedTime struct {
+	_       structs.HostLayout
+	Jiffies uint64
+	Ns      uint64
+}
+
 type boundCtKeyV4 struct {
 	_       structs.HostLayout
 	Src     [4]uint8
@@ -41,6 +47,15 @@ type boundCtValue struct {
 	Generation uint32
 	Flags      uint8
 	Pad        [3]uint8
+}
+
+type boundIdState struct {
+	_          structs.HostLayout
+	Generation uint32
+	Mode       uint8
+	Isolated   uint8
+	Applying   uint8
+	Pad        uint8
 }
 
 type boundLpmKeyV4 struct {
@@ -73,12 +88,15 @@ type boundPolicyValue struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	boundMapCtV4     = "ct_v4"
-	boundMapCtV6     = "ct_v6"
-	boundMapPolInV4  = "pol_in_v4"
-	boundMapPolInV6  = "pol_in_v6"
-	boundProgCtHit   = "ct_hit"
-	boundProgNewFlow = "new_flow"
+	boundMapCtV4        = "ct_v4"
+	boundMapCtV6        = "ct_v6"
+	boundMapPolInV4     = "pol_in_v4"
+	boundMapPolInV6     = "pol_in_v6"
+	boundMapState       = "state"
+	boundMapTickClock   = "tick_clock"
+	boundProgCtHit      = "ct_hit"
+	boundProgNewFlow    = "new_flow"
+	boundVarCoarseClock = "coarse_clock"
 )
 
 // loadBound returns the embedded CollectionSpec for bound.
@@ -131,16 +149,19 @@ type boundProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundMapSpecs struct {
-	CtV4    *ebpf.MapSpec `ebpf:"ct_v4"`
-	CtV6    *ebpf.MapSpec `ebpf:"ct_v6"`
-	PolInV4 *ebpf.MapSpec `ebpf:"pol_in_v4"`
-	PolInV6 *ebpf.MapSpec `ebpf:"pol_in_v6"`
+	CtV4      *ebpf.MapSpec `ebpf:"ct_v4"`
+	CtV6      *ebpf.MapSpec `ebpf:"ct_v6"`
+	PolInV4   *ebpf.MapSpec `ebpf:"pol_in_v4"`
+	PolInV6   *ebpf.MapSpec `ebpf:"pol_in_v6"`
+	State     *ebpf.MapSpec `ebpf:"state"`
+	TickClock *ebpf.MapSpec `ebpf:"tick_clock"`
 }
 
 // boundVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundVariableSpecs struct {
+	CoarseClock *ebpf.VariableSpec `ebpf:"coarse_clock"`
 }
 
 // boundObjects contains all objects after they have been loaded into the kernel.
@@ -163,10 +184,12 @@ func (o *boundObjects) Close() error {
 //
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundMaps struct {
-	CtV4    *ebpf.Map `ebpf:"ct_v4"`
-	CtV6    *ebpf.Map `ebpf:"ct_v6"`
-	PolInV4 *ebpf.Map `ebpf:"pol_in_v4"`
-	PolInV6 *ebpf.Map `ebpf:"pol_in_v6"`
+	CtV4      *ebpf.Map `ebpf:"ct_v4"`
+	CtV6      *ebpf.Map `ebpf:"ct_v6"`
+	PolInV4   *ebpf.Map `ebpf:"pol_in_v4"`
+	PolInV6   *ebpf.Map `ebpf:"pol_in_v6"`
+	State     *ebpf.Map `ebpf:"state"`
+	TickClock *ebpf.Map `ebpf:"tick_clock"`
 }
 
 func (m *boundMaps) Close() error {
@@ -175,6 +198,8 @@ func (m *boundMaps) Close() error {
 		m.CtV6,
 		m.PolInV4,
 		m.PolInV6,
+		m.State,
+		m.TickClock,
 	)
 }
 
@@ -182,6 +207,7 @@ func (m *boundMaps) Close() error {
 //
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundVariables struct {
+	CoarseClock *ebpf.Variable `ebpf:"coarse_clock"`
 }
 
 // boundPrograms contains all programs after they have been loaded into the kernel.

@@ -1,8 +1,9 @@
 // Package bound holds the lower bound of the datapath's cost: two eBPF
-// programs that do only what any datapath with DESIGN.md's maps must do for
-// a packet, on podfence's own map types and sizes. A conntrack hit is one
-// parse and one lookup of the conntrack key; an allowed new flow is one
-// parse, one trie lookup and one conntrack insert.
+// programs that parse a packet and do no more than the map operations
+// DESIGN.md prescribes for it, on podfence's own map definitions and clock.
+// A conntrack hit is one lookup of the conntrack key, the generation check
+// and the refresh of last_seen; an allowed new flow is one trie lookup and
+// one conntrack insert.
 //
 // It is not part of podfence: BenchmarkLowerBound (package bpf) runs it
 // beside BenchmarkDatapath, so that a reader can tell the cost of
