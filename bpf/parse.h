@@ -172,58 +172,51 @@ static __always_inline int is_ext_hdr(__u32 next)
 	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH;
 }
 
-// ext_walk is where a walk of IPv6 extension headers ended.
-struct ext_walk {
-	__u32 off;     // from the start of the frame: the upper-layer header
-	__u32 next;    // the upper-layer protocol
-	__u32 frag_id; // the datagram's identification (network order), for fragments
-	__u8 frag;     // enum frag_kind; for FRAG_LATER, off is unset
-};
+// Results of walk_ext_hdrs other than an offset.
+#define WALK_MALFORMED (-1)
+#define WALK_LATER_FRAGMENT (-2)
 
-// walk_ext_hdrs follows the extension headers after an IPv6 header that
-// ends off bytes into the frame and names next as its next header. It
-// stops early at a non-first fragment, which has no upper-layer header.
-static __always_inline int walk_ext_hdrs(void *data, void *end, __u32 off, __u32 next,
-					 const int max, struct ext_walk *w)
+// walk_ext_hdrs follows the IPv6 extension headers that start off bytes into
+// the frame, *next being the first one's type, and returns the offset of the
+// upper-layer header, with *next its protocol. A fragment header's kind
+// (enum frag_kind) and identification go to *frag and *frag_id, which the
+// caller zeroes. A non-first fragment has no upper-layer header: the walk
+// stops there with WALK_LATER_FRAGMENT and *next the fragment's protocol.
+static __always_inline int walk_ext_hdrs(void *data, void *end, __u32 off, __u32 *next,
+					 const int max, __u8 *frag, __u32 *frag_id)
 {
-	w->frag = FRAG_NONE;
-	w->frag_id = 0;
-	// The common case, an upper-layer header right after the IPv6 header,
-	// skips the walk.
 	int i;
-	for (i = 0; i < max && is_ext_hdr(next); i++) {
+	for (i = 0; i < max && is_ext_hdr(*next); i++) {
 		if (off > PULL_LEN)
-			return PARSE_MALFORMED;
+			return WALK_MALFORMED;
 		struct ext_hdr *h = data + bounded(off);
 		if ((void *)(h + 1) > end)
-			return PARSE_MALFORMED;
-		__u32 is_frag = is_zero(next ^ IPPROTO_FRAGMENT);
+			return WALK_MALFORMED;
+		__u32 is_frag = is_zero(*next ^ IPPROTO_FRAGMENT);
 		if (is_frag && (h->frag_off & bpf_htons(0xfff8))) {
-			w->next = h->nexthdr;
-			w->frag = FRAG_LATER;
-			w->frag_id = h->frag_id;
-			return PARSE_OK;
+			*next = h->nexthdr;
+			*frag = FRAG_LATER;
+			*frag_id = h->frag_id;
+			return WALK_LATER_FRAGMENT;
 		}
 		// A first fragment has the M flag; its identification is kept.
 		// Masks, not branches: one path for the verifier to follow.
-		w->frag |= is_frag & bpf_ntohs(h->frag_off);
-		w->frag_id = (w->frag_id & (is_frag - 1)) | (h->frag_id & -is_frag);
+		*frag |= is_frag & bpf_ntohs(h->frag_off);
+		*frag_id = (*frag_id & (is_frag - 1)) | (h->frag_id & -is_frag);
 		// The length without a branch per header type, so the verifier
 		// follows one path through each iteration instead of three:
 		// AH counts 4-byte units less 2, the others 8-byte units less 1,
 		// and the fragment header (whose length byte is reserved) is 8.
-		__u32 is_ah = is_zero(next ^ IPPROTO_AH);
+		__u32 is_ah = is_zero(*next ^ IPPROTO_AH);
 		__u32 units = (__u32)h->hdrlen & (is_frag - 1);
 		off += (units + 1 + is_ah) << (3 - is_ah);
-		next = h->nexthdr;
+		*next = h->nexthdr;
 	}
-	if (i == max && is_ext_hdr(next))
-		return PARSE_MALFORMED;
+	if (i == max && is_ext_hdr(*next))
+		return WALK_MALFORMED;
 	if (off > PULL_LEN)
-		return PARSE_MALFORMED;
-	w->off = off;
-	w->next = next;
-	return PARSE_OK;
+		return WALK_MALFORMED;
+	return off;
 }
 
 // parse_quoted reads the datagram an ICMP error of the given family quotes,
@@ -250,14 +243,16 @@ static __always_inline int parse_quoted(void *data, __u32 off, void *end, const 
 	struct ipv6hdr *ip6 = data + bounded(off);
 	if ((void *)(ip6 + 1) > end || ip6->version != 6)
 		return 0;
-	struct ext_walk w;
-	if (walk_ext_hdrs(data, end, off + sizeof(*ip6), ip6->nexthdr, MAX_QUOTED_EXT_HDRS, &w) != PARSE_OK ||
-	    w.frag == FRAG_LATER)
+	__u32 next = ip6->nexthdr;
+	__u8 frag = FRAG_NONE;
+	__u32 frag_id = 0;
+	int l4_off = walk_ext_hdrs(data, end, off + sizeof(*ip6), &next, MAX_QUOTED_EXT_HDRS, &frag, &frag_id);
+	if (l4_off < 0)
 		return 0;
-	qd->proto = w.next;
+	qd->proto = next;
 	__builtin_memcpy(qd->src.v6, &ip6->saddr, 16);
 	__builtin_memcpy(qd->dst.v6, &ip6->daddr, 16);
-	return quoted_ports(data + bounded(w.off), end, qd);
+	return quoted_ports(data + bounded(l4_off), end, qd);
 }
 
 // parse_l4 reads ports at l4, which is l4_off bytes into the frame. A non-first fragment carries no L4 header: its
@@ -348,22 +343,27 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	__builtin_memcpy(f->src.v6, &ip6->saddr, 16);
 	__builtin_memcpy(f->dst.v6, &ip6->daddr, 16);
 
-	struct ext_walk w;
-	if (walk_ext_hdrs(data, end, sizeof(struct ethhdr) + sizeof(*ip6), ip6->nexthdr, MAX_EXT_HDRS,
-			  &w) != PARSE_OK)
-		return PARSE_MALFORMED;
-	f->proto = w.next;
-	f->frag = w.frag;
-	f->frag_id = w.frag_id;
-	// A non-first fragment has no upper-layer header to read: its ports
-	// stay 0.
-	if (w.frag == FRAG_LATER)
-		return PARSE_OK;
+	__u32 next = ip6->nexthdr;
+	int off = sizeof(struct ethhdr) + sizeof(*ip6);
+	// Most packets have no extension header: they skip the walk.
+	if (is_ext_hdr(next)) {
+		// parse zeroed f->frag and f->frag_id.
+		off = walk_ext_hdrs(data, end, off, &next, MAX_EXT_HDRS, &f->frag, &f->frag_id);
+		if (off == WALK_MALFORMED)
+			return PARSE_MALFORMED;
+		// A non-first fragment has no upper-layer header to read: its
+		// ports stay 0.
+		if (off == WALK_LATER_FRAGMENT) {
+			f->proto = next;
+			return PARSE_OK;
+		}
+	}
+	f->proto = next;
 
-	void *l4 = data + bounded(w.off);
+	void *l4 = data + bounded(off);
 	if (l4 > end)
 		return PARSE_MALFORMED;
-	int r = parse_l4(l4, w.off, end, f, 1);
+	int r = parse_l4(l4, off, end, f, 1);
 	// Neighbour discovery is IPv6's ARP: without it a pod cannot reach its
 	// gateway at all, whatever the policy. A hop limit of 255 proves that
 	// it was sent on this link (RFC 4861 7.1.1), so nothing from beyond
