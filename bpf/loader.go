@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
@@ -411,7 +412,9 @@ func (i *Identifier) loadPrograms(g *Global) error {
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs[:]...); err != nil {
+	// The first error only: both programs share their code, and a verifier
+	// log in full is long enough once.
+	if err := cmp.Or(errs[:]...); err != nil {
 		for _, p := range progs {
 			if p != nil {
 				p.Close()
