@@ -436,16 +436,14 @@ func (i *Identifier) loadPrograms(g *Global) error {
 }
 
 // loadProgram loads the program name of cs alone, with the maps of repl.
-// The spec is copied: loads run concurrently, and each creates its own
-// copy of the read-only constants.
+// Loads run concurrently on the same cs: cilium/ebpf only reads a spec
+// (it copies each map and program spec it loads), so each load needs no
+// more than its own view naming its one program. Each creates its own copy
+// of the read-only constants.
 func loadProgram(cs *ebpf.CollectionSpec, name string, repl map[string]*ebpf.Map) (*ebpf.Program, error) {
-	one := cs.Copy()
-	for other := range one.Programs {
-		if other != name {
-			delete(one.Programs, other)
-		}
-	}
-	coll, err := ebpf.NewCollectionWithOptions(one, ebpf.CollectionOptions{MapReplacements: repl})
+	one := *cs
+	one.Programs = map[string]*ebpf.ProgramSpec{name: cs.Programs[name]}
+	coll, err := ebpf.NewCollectionWithOptions(&one, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
 		var ve *ebpf.VerifierError
 		if errors.As(err, &ve) {
