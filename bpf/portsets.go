@@ -79,15 +79,11 @@ func (s *portSets) encode(entries []policy.Entry) (map[string]*podfencePolicyVal
 		v := &podfencePolicyValue{Count: uint16(len(e.Ports))}
 		out[string(lpmKey(e.Prefix))] = v
 		if len(e.Ports) <= len(v.Ranges) {
-			for j, r := range e.Ports {
-				v.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
-			}
+			fillRanges(v.Ranges[:], e.Ports)
 			continue
 		}
 		set := podfencePortSet{Count: uint16(len(e.Ports))}
-		for j, r := range e.Ports {
-			set.Ranges[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
-		}
+		fillRanges(set.Ranges[:], e.Ports)
 		key, ok := s.byValue[set]
 		if !ok {
 			var err error
@@ -100,6 +96,13 @@ func (s *portSets) encode(entries []policy.Entry) (map[string]*podfencePolicyVal
 		v.Ports = key
 	}
 	return out, nil
+}
+
+// fillRanges writes ports to dst, which has room for them.
+func fillRanges(dst []podfencePortRange, ports []policy.PortRange) {
+	for j, r := range ports {
+		dst[j] = podfencePortRange{Proto: uint8(r.Protocol), First: r.First, Last: r.Last}
+	}
 }
 
 // freeKey returns the lowest key that neither holds a set nor is named by

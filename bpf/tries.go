@@ -92,9 +92,8 @@ func (d trieDiff) apply() error {
 			return fmt.Errorf("update policy entry: %w", err)
 		}
 	}
-	removes := slices.Clone(d.remove)
-	slices.SortFunc(removes, func(a, b string) int { return cmp.Compare(prefixLen(a), prefixLen(b)) })
-	for _, k := range removes {
+	slices.SortFunc(d.remove, func(a, b string) int { return cmp.Compare(prefixLen(a), prefixLen(b)) })
+	for _, k := range d.remove {
 		if err := d.m.Delete([]byte(k)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("delete policy entry: %w", err)
 		}
