@@ -3,8 +3,6 @@ package bpf
 import (
 	"testing"
 
-	"github.com/cilium/ebpf"
-
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -28,7 +26,7 @@ func TestPortSets(t *testing.T) {
 	}
 	for _, s := range steps {
 		h.apply(t, s.set)
-		if n := countEntries(t, h.id.PortSets); n != s.want {
+		if n := len(setKeys(t, h)); n != s.want {
 			t.Fatalf("%s: port_sets holds %d sets, want %d", s.name, n, s.want)
 		}
 	}
@@ -50,21 +48,6 @@ func TestPortSets(t *testing.T) {
 			t.Errorf("from %s to port %d: verdict %#x, want %#x", c.peer, c.port, got, c.want)
 		}
 	}
-}
-
-func countEntries(t *testing.T, m *ebpf.Map) int {
-	t.Helper()
-	n := 0
-	k := make([]byte, m.KeySize())
-	v := make([]byte, m.ValueSize())
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		n++
-	}
-	if err := it.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return n
 }
 
 // TestPortSetKeyNamedByEntry: entries can outlive their set (a pin removal

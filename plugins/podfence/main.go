@@ -204,14 +204,14 @@ func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
 	return policy.ForIdentifier(docs, id, conf.mode), nil
 }
 
-// policyError is a document that cannot be read, or a policy the datapath
-// cannot hold (101).
 // isCapacityError tells a policy the datapath cannot hold.
 func isCapacityError(err error) bool {
 	return errors.Is(err, policy.ErrTooManyPortRanges) || errors.Is(err, policy.ErrTooManyEntries) ||
 		errors.Is(err, policy.ErrTooManyPortSets)
 }
 
+// policyError is a document that cannot be read, or a policy the datapath
+// cannot hold (101).
 func policyError(conf *PluginConf, err error) error {
 	return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
 }
