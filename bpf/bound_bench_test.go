@@ -8,6 +8,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/podfence/podfence/bpf/bound"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/test/kernel"
 )
 
@@ -100,7 +101,7 @@ func TestBoundMatchesDatapath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	names := []string{"ct_v4", "ct_v6", "pol_in_v4", "pol_in_v6", "state", "tick_clock"}
+	names := []string{pinpath.MapCTv4, pinpath.MapCTv6, pinpath.MapPolInV4, pinpath.MapPolInV6, pinpath.MapState, pinpath.MapTickClock}
 	for _, name := range names {
 		if theirs.Maps[name] == nil {
 			t.Errorf("map %s: not in the lower bound's object", name)

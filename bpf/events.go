@@ -13,8 +13,11 @@ import (
 // ErrShortEvent is returned when a ring buffer record is smaller than a deny event.
 var ErrShortEvent = errors.New("short deny event")
 
-// denyEventSize is sizeof(struct deny_event) in types.h.
-const denyEventSize = 8 + 4 + 4 + 2 + 2 + 16 + 16
+// RawDenyEvent is struct deny_event (types.h) as the ring buffer carries it.
+type RawDenyEvent = podfenceDenyEvent
+
+// denyEventSize is sizeof(struct deny_event), padding included.
+var denyEventSize = binary.Size(RawDenyEvent{})
 
 // DenyEvent is a dropped packet as the datapath reports it (struct
 // deny_event). The programs rate-limit these per CPU, so a trace shows
@@ -33,21 +36,22 @@ func (e *DenyEvent) UnmarshalBinary(b []byte) error {
 	if len(b) < denyEventSize {
 		return fmt.Errorf("%w: %d bytes, want %d", ErrShortEvent, len(b), denyEventSize)
 	}
-	le := binary.LittleEndian
-	e.Timestamp = time.Duration(le.Uint64(b[0:]))
-	e.Ifindex = le.Uint32(b[8:])
-	family, proto, dir, reason := b[12], b[13], b[14], b[15]
-	sport, dport := le.Uint16(b[16:]), le.Uint16(b[18:])
-	src, dst := [16]byte(b[20:36]), [16]byte(b[36:52])
-	e.Egress = dir == 1
-	e.Reason = Reason(reason)
-	e.Proto = proto
-	if family == 4 {
-		e.Src = netip.AddrPortFrom(netip.AddrFrom4([4]byte(src[:4])), sport)
-		e.Dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte(dst[:4])), dport)
+	var raw RawDenyEvent
+	// bpfel: the object's byte order on every architecture podfence runs on.
+	if _, err := binary.Decode(b, binary.LittleEndian, &raw); err != nil {
+		return fmt.Errorf("decode deny event: %w", err)
+	}
+	e.Timestamp = time.Duration(raw.TimestampNs)
+	e.Ifindex = raw.Ifindex
+	e.Egress = raw.Direction == 1
+	e.Reason = Reason(raw.Reason)
+	e.Proto = raw.Proto
+	if raw.Family == 4 {
+		e.Src = netip.AddrPortFrom(netip.AddrFrom4([4]byte(raw.Src[:4])), raw.Sport)
+		e.Dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte(raw.Dst[:4])), raw.Dport)
 	} else {
-		e.Src = netip.AddrPortFrom(netip.AddrFrom16(src), sport)
-		e.Dst = netip.AddrPortFrom(netip.AddrFrom16(dst), dport)
+		e.Src = netip.AddrPortFrom(netip.AddrFrom16(raw.Src), raw.Sport)
+		e.Dst = netip.AddrPortFrom(netip.AddrFrom16(raw.Dst), raw.Dport)
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -34,27 +35,35 @@ var (
 )
 
 var layouts = map[string]mapLayout{
-	mapCTv4:        {ebpf.LRUHash, ctV4Size, ctValueSize, 131072},
-	mapCTv6:        {ebpf.LRUHash, ctV6Size, ctValueSize, 65536},
-	mapNodeAddrs:   {ebpf.Hash, 16, 1, 256},
-	mapDenyEvents:  {ebpf.RingBuf, 0, 0, 256 * 1024},
-	mapEventBudget: {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1},
-	mapFrags:       {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192},
-	mapTickClock:   {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1},
-	mapState:       {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1},
-	mapCounters:    {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons)},
-	"pol_in_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
-	"pol_in_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
-	"pol_eg_v4":    {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
-	"pol_eg_v6":    {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
-	mapPortSets:    {ebpf.Hash, 4, portSetSize, portSetCapacity},
+	mapCTv4:            {ebpf.LRUHash, ctV4Size, ctValueSize, 131072},
+	mapCTv6:            {ebpf.LRUHash, ctV6Size, ctValueSize, 65536},
+	mapNodeAddrs:       {ebpf.Hash, 16, 1, 256},
+	mapDenyEvents:      {ebpf.RingBuf, 0, 0, 256 * 1024},
+	mapEventBudget:     {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1},
+	mapFrags:           {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192},
+	mapTickClock:       {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1},
+	mapState:           {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1},
+	mapCounters:        {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons)},
+	pinpath.MapPolInV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
+	pinpath.MapPolInV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
+	pinpath.MapPolEgV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
+	pinpath.MapPolEgV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
+	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity},
 }
 
-// checkLayout compares a pinned map with the layout its name should have.
-func checkLayout(name string, m *ebpf.Map) error {
+// checkLayout compares a pinned map with the layout its name should have;
+// maxEntries, when not 0, is the capacity a node setting asks for instead.
+func checkLayout(name string, m *ebpf.Map, maxEntries uint32) error {
 	want, ok := layouts[name]
 	if !ok {
 		return fmt.Errorf("no layout for map %s", name)
+	}
+	if maxEntries != 0 {
+		want.maxEntries = maxEntries
+	}
+	if m.Type() == want.typ && m.KeySize() == want.keySize && m.ValueSize() == want.valSize && m.MaxEntries() != want.maxEntries {
+		return fmt.Errorf("%w: the map has %d entries, the node's setting is %d (the plugin's ctV4Entries/ctV6Entries and the sweeper's --ct-v4-entries/--ct-v6-entries must agree; a new size takes effect once no pod uses the maps and they are removed)",
+			ErrTableSize, m.MaxEntries(), want.maxEntries)
 	}
 	if m.Type() != want.typ || m.KeySize() != want.keySize || m.ValueSize() != want.valSize || m.MaxEntries() != want.maxEntries {
 		return fmt.Errorf("map is %s with %d-byte keys, %d-byte values and %d entries, want %s with %d, %d and %d",

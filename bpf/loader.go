@@ -6,9 +6,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync"
 
@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -26,55 +27,82 @@ import (
 // silently: replicas attached to it would stop sharing state.
 var ErrIncompatiblePin = errors.New("incompatible pin")
 
-// Pin names. Directory layout below a pin root:
-//
-//	<root>/global/<map>           maps shared by every identifier on the node
-//	<root>/ids/<identifier>/<obj> programs and maps of one identifier
-const (
-	GlobalDir      = "global"
-	IdentifiersDir = "ids"
+// ErrTableSize is wrapped, with ErrIncompatiblePin, when a pinned conntrack
+// map has another capacity than the node's setting asks for.
+var ErrTableSize = errors.New("conntrack table size differs from the setting")
 
-	ProgIngressPin = "prog_ingress"
-	ProgEgressPin  = "prog_egress"
+// Default capacities of the conntrack maps (GlobalOptions).
+const (
+	DefaultCTv4Entries = 131072
+	DefaultCTv6Entries = 65536
+	// MinCTEntries and MaxCTEntries bound the setting: below, a node of
+	// busy pods evicts live flows; above, the map's memory (about 100
+	// bytes an entry) is more than a node should spend on it.
+	MinCTEntries = 1024
+	MaxCTEntries = 1 << 24
 )
 
-// Map and program names as they appear in the object file (and in pins).
+// GlobalOptions are the node's settings of the global maps. The zero value
+// is the defaults.
+type GlobalOptions struct {
+	// CTv4Entries and CTv6Entries are the conntrack maps' capacities. Every
+	// process that opens the pins must agree: a pin of another size is
+	// refused (ErrTableSize) rather than silently used.
+	CTv4Entries, CTv6Entries uint32
+}
+
+// CheckCTEntries validates one capacity of GlobalOptions (0 is the default).
+func CheckCTEntries(n uint32) error {
+	if n != 0 && (n < MinCTEntries || n > MaxCTEntries) {
+		return fmt.Errorf("conntrack table size %d is outside [%d, %d]", n, MinCTEntries, MaxCTEntries)
+	}
+	return nil
+}
+
+func (o GlobalOptions) entries(name string) uint32 {
+	switch name {
+	case mapCTv4:
+		if o.CTv4Entries != 0 {
+			return o.CTv4Entries
+		}
+		return DefaultCTv4Entries
+	case mapCTv6:
+		if o.CTv6Entries != 0 {
+			return o.CTv6Entries
+		}
+		return DefaultCTv6Entries
+	}
+	return 0
+}
+
+// Map and program names as they appear in the object file. The maps' names
+// are also their pin names, which package pinpath owns.
 const (
-	mapCTv4        = "ct_v4"
-	mapCTv6        = "ct_v6"
-	mapNodeAddrs   = "node_addrs"
-	mapDenyEvents  = "deny_events"
-	mapEventBudget = "event_budget"
-	mapFrags       = "frags"
-	mapTickClock   = "tick_clock"
-	mapState       = "state"
-	mapCounters    = "counters"
-	mapPortSets    = "port_sets"
+	mapCTv4        = pinpath.MapCTv4
+	mapCTv6        = pinpath.MapCTv6
+	mapNodeAddrs   = pinpath.MapNodeAddrs
+	mapDenyEvents  = pinpath.MapDenyEvents
+	mapEventBudget = pinpath.MapEventBudget
+	mapFrags       = pinpath.MapFrags
+	mapTickClock   = pinpath.MapTickClock
+	mapState       = pinpath.MapState
+	mapCounters    = pinpath.MapCounters
+	mapPortSets    = pinpath.MapPortSets
 
 	progIngress = "pod_ingress"
 	progEgress  = "pod_egress"
 )
 
-var globalMaps = []string{mapCTv4, mapCTv6, mapNodeAddrs, mapDenyEvents, mapEventBudget, mapFrags, mapTickClock}
-
-// GlobalPins are the names of the node-wide pins below the pin root's
-// GlobalDir, for tools that check what a pin root holds.
-func GlobalPins() []string { return slices.Clone(globalMaps) }
+var globalMaps = pinpath.GlobalMaps()
 
 // policyMaps are indexed by [direction][family], family 0 for IPv4, 1 for IPv6.
 var policyMaps = [2][2]string{
-	{"pol_in_v4", "pol_in_v6"},
-	{"pol_eg_v4", "pol_eg_v6"},
+	{pinpath.MapPolInV4, pinpath.MapPolInV6},
+	{pinpath.MapPolEgV4, pinpath.MapPolEgV6},
 }
 
 // identifierMaps are the maps pinned per identifier.
-var identifierMaps = []string{mapState, mapCounters, mapPortSets,
-	policyMaps[0][0], policyMaps[0][1], policyMaps[1][0], policyMaps[1][1]}
-
-// IdentifierMapPins are the names of the map pins in an identifier's
-// directory (beside ProgIngressPin and ProgEgressPin), for tools that check
-// what it holds.
-func IdentifierMapPins() []string { return slices.Clone(identifierMaps) }
+var identifierMaps = pinpath.IdentifierMaps()
 
 var (
 	specOnce sync.Once
@@ -140,16 +168,27 @@ type Global struct {
 }
 
 // OpenGlobal opens the node-wide maps pinned below pinRoot, creating and
-// pinning them on first use. A pinned map of another layout is an error
-// wrapping ErrIncompatiblePin.
+// pinning them on first use, with the default GlobalOptions.
 func OpenGlobal(pinRoot string) (*Global, error) {
-	dir := filepath.Join(pinRoot, GlobalDir)
+	return OpenGlobalWith(pinRoot, GlobalOptions{})
+}
+
+// OpenGlobalWith is OpenGlobal with the node's settings. A pinned map of
+// another layout, or another size than opts asks for, is an error wrapping
+// ErrIncompatiblePin.
+func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
+	for _, n := range []uint32{opts.CTv4Entries, opts.CTv6Entries} {
+		if err := CheckCTEntries(n); err != nil {
+			return nil, err
+		}
+	}
+	dir := pinpath.Root(pinRoot).Global()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
 	maps := make(map[string]*ebpf.Map, len(globalMaps))
 	for _, name := range globalMaps {
-		m, err := openPinnedMap(name, dir)
+		m, err := openPinnedMap(name, dir, opts.entries(name))
 		if err != nil {
 			closeMaps(maps)
 			return nil, err
@@ -169,14 +208,15 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 }
 
 // openPinnedMap loads the map pinned as dir/<name> when its layout is this
-// datapath's, or creates and pins it. Two processes racing to create it both
-// end up with the one that was pinned first.
-func openPinnedMap(name, dir string) (*ebpf.Map, error) {
+// datapath's, or creates and pins it; maxEntries, when not 0, overrides the
+// object's capacity. Two processes racing to create it both end up with the
+// one that was pinned first.
+func openPinnedMap(name, dir string, maxEntries uint32) (*ebpf.Map, error) {
 	path := filepath.Join(dir, name)
 	// The common case, a pin that exists, needs no object file parsing.
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if err == nil {
-		if err := checkLayout(name, m); err != nil {
+		if err := checkLayout(name, m, maxEntries); err != nil {
 			m.Close()
 			return nil, fmt.Errorf("pin %s: %w: %w", path, ErrIncompatiblePin, err)
 		}
@@ -190,8 +230,11 @@ func openPinnedMap(name, dir string) (*ebpf.Map, error) {
 		return nil, err
 	}
 	liftMemlock()
-	ms := cs.Maps[name]
+	ms := cs.Maps[name].Copy() // the spec is shared with concurrent loads
 	ms.Pinning = ebpf.PinByName
+	if maxEntries != 0 {
+		ms.MaxEntries = maxEntries
+	}
 	for attempt := 0; ; attempt++ {
 		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: dir})
 		if err == nil {
@@ -246,11 +289,6 @@ type Identifier struct {
 	PortSets *ebpf.Map
 }
 
-// IdentifierDir is where the objects of id are pinned below pinRoot.
-func IdentifierDir(pinRoot string, id podid.ID) string {
-	return filepath.Join(pinRoot, IdentifiersDir, string(id))
-}
-
 // OpenIdentifier returns the programs and maps of id, reusing its pins when
 // they exist and are compatible, loading and pinning them otherwise. The
 // caller must serialise calls for the same identifier (the CNI plugin holds
@@ -260,7 +298,7 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 	if !podid.Valid(string(id)) {
 		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
 	}
-	dir := IdentifierDir(pinRoot, id)
+	dir := pinpath.Root(pinRoot).Identifier(id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
@@ -288,7 +326,7 @@ func (i *Identifier) openMaps(dir string) error {
 	_, statePinned := os.Stat(filepath.Join(dir, mapState))
 	fields := i.mapFields()
 	for _, name := range identifierMaps {
-		m, err := openPinnedMap(name, dir)
+		m, err := openPinnedMap(name, dir, 0)
 		if err != nil {
 			return err
 		}
@@ -324,8 +362,8 @@ func (i *Identifier) mapFields() map[string]**ebpf.Map {
 // openPinnedPrograms reuses pinned programs when both exist and use exactly
 // this identifier's maps and the node's global maps.
 func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
-	ingress, errIn := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, ProgIngressPin), nil)
-	egress, errEg := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, ProgEgressPin), nil)
+	ingress, errIn := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgIngress), nil)
+	egress, errEg := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgEgress), nil)
 	if errIn != nil || errEg != nil {
 		closeAll(ingress, egress)
 		for _, err := range []error{errIn, errEg} {
@@ -355,7 +393,7 @@ func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
 		prog *ebpf.Program
 		name string
 		pin  string
-	}{{ingress, progIngress, ProgIngressPin}, {egress, progEgress, ProgEgressPin}} {
+	}{{ingress, progIngress, pinpath.ProgIngress}, {egress, progEgress, pinpath.ProgEgress}} {
 		if err := checkProgram(p.prog, p.name, want); err != nil {
 			closeAll(ingress, egress)
 			return false, fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, p.pin), ErrIncompatiblePin, err)
@@ -427,7 +465,7 @@ func (i *Identifier) loadPrograms(g *Global) error {
 	for _, p := range []struct {
 		prog *ebpf.Program
 		pin  string
-	}{{i.Ingress, ProgIngressPin}, {i.Egress, ProgEgressPin}} {
+	}{{i.Ingress, pinpath.ProgIngress}, {i.Egress, pinpath.ProgEgress}} {
 		if err := pinReplacing(p.prog, filepath.Join(i.Dir, p.pin)); err != nil {
 			return err
 		}
@@ -443,6 +481,16 @@ func (i *Identifier) loadPrograms(g *Global) error {
 func loadProgram(cs *ebpf.CollectionSpec, name string, repl map[string]*ebpf.Map) (*ebpf.Program, error) {
 	one := *cs
 	one.Programs = map[string]*ebpf.ProgramSpec{name: cs.Programs[name]}
+	// The conntrack maps' capacity is a node setting: the programs take
+	// the pinned maps as they are (a replacement must match its spec).
+	one.Maps = maps.Clone(cs.Maps)
+	for _, ct := range []string{mapCTv4, mapCTv6} {
+		if m, ms := repl[ct], one.Maps[ct]; m != nil && ms != nil && m.MaxEntries() != ms.MaxEntries {
+			ms = ms.Copy()
+			ms.MaxEntries = m.MaxEntries()
+			one.Maps[ct] = ms
+		}
+	}
 	coll, err := ebpf.NewCollectionWithOptions(&one, ebpf.CollectionOptions{MapReplacements: repl})
 	if err != nil {
 		var ve *ebpf.VerifierError
@@ -496,8 +544,8 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 	if !podid.Valid(string(id)) {
 		return fmt.Errorf("remove objects of %q: %w", id, podid.ErrInvalid)
 	}
-	dir := IdentifierDir(pinRoot, id)
-	pins := append([]string{ProgIngressPin, ProgEgressPin}, identifierMaps...) // programs first, as in RemoveIdentifier
+	dir := pinpath.Root(pinRoot).Identifier(id)
+	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress}, identifierMaps...) // programs first, as in RemoveIdentifier
 	for _, pin := range pins {
 		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove objects of %q: %w", id, err)
@@ -516,7 +564,7 @@ func RemoveIdentifier(pinRoot string, id podid.ID) error {
 	if err := RemoveObjects(pinRoot, id); err != nil {
 		return err
 	}
-	if err := os.RemoveAll(IdentifierDir(pinRoot, id)); err != nil {
+	if err := os.RemoveAll(pinpath.Root(pinRoot).Identifier(id)); err != nil {
 		return fmt.Errorf("remove identifier %q: %w", id, err)
 	}
 	return nil
@@ -543,11 +591,11 @@ func closeAll[T interface{ Close() error }](objs ...T) error {
 // PinnedProgramIDs returns the IDs of id's pinned programs without loading
 // or creating anything (CNI CHECK, the sweeper's ls).
 func PinnedProgramIDs(pinRoot string, id podid.ID) (ingress, egress ebpf.ProgramID, err error) {
-	dir := IdentifierDir(pinRoot, id)
+	dir := pinpath.Root(pinRoot).Identifier(id)
 	for _, p := range []struct {
 		pin string
 		out *ebpf.ProgramID
-	}{{ProgIngressPin, &ingress}, {ProgEgressPin, &egress}} {
+	}{{pinpath.ProgIngress, &ingress}, {pinpath.ProgEgress, &egress}} {
 		prog, err := ebpf.LoadPinnedProgram(filepath.Join(dir, p.pin), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
 			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)

@@ -4,12 +4,14 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -103,7 +105,7 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 	}
 	first.Close()
 	// A plugin killed between pinning its two programs leaves one.
-	if err := os.Remove(filepath.Join(IdentifierDir(root, id), ProgEgressPin)); err != nil {
+	if err := os.Remove(filepath.Join(pinpath.Root(root).Identifier(id), pinpath.ProgEgress)); err != nil {
 		t.Fatal(err)
 	}
 	again, err := OpenIdentifier(g, root, id)
@@ -111,16 +113,16 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 		t.Fatalf("open after a half-finished load: %v", err)
 	}
 	again.Close()
-	for _, pin := range []string{ProgIngressPin, ProgEgressPin} {
-		if _, err := os.Stat(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+	for _, pin := range []string{pinpath.ProgIngress, pinpath.ProgEgress} {
+		if _, err := os.Stat(filepath.Join(pinpath.Root(root).Identifier(id), pin)); err != nil {
 			t.Errorf("pin %s missing after repair: %v", pin, err)
 		}
 	}
 
 	// A RemoveIdentifier killed midway leaves some maps and no programs
 	// (it removes the programs first).
-	for _, pin := range []string{ProgIngressPin, ProgEgressPin, "pol_in_v4", "counters"} {
-		if err := os.Remove(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+	for _, pin := range []string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MapPolInV4, pinpath.MapCounters} {
+		if err := os.Remove(filepath.Join(pinpath.Root(root).Identifier(id), pin)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -129,8 +131,8 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 		t.Fatalf("open after a half-finished removal: %v", err)
 	}
 	defer again.Close()
-	for _, pin := range []string{ProgIngressPin, ProgEgressPin, "pol_in_v4", "counters"} {
-		if _, err := os.Stat(filepath.Join(IdentifierDir(root, id), pin)); err != nil {
+	for _, pin := range []string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MapPolInV4, pinpath.MapCounters} {
+		if _, err := os.Stat(filepath.Join(pinpath.Root(root).Identifier(id), pin)); err != nil {
 			t.Errorf("pin %s missing after repair: %v", pin, err)
 		}
 	}
@@ -139,25 +141,25 @@ func TestOpenIdentifierRepairsHalfPinned(t *testing.T) {
 func TestIncompatiblePinsAreRefused(t *testing.T) {
 	root, g := openGlobal(t)
 	id := podid.ID("web@default")
-	dir := IdentifierDir(root, id)
+	dir := pinpath.Root(root).Identifier(id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 
 	// A map of another layout where the state map should be.
-	wrong, err := ebpf.NewMap(&ebpf.MapSpec{Name: "state", Type: ebpf.Array, KeySize: 4, ValueSize: 16, MaxEntries: 1})
+	wrong, err := ebpf.NewMap(&ebpf.MapSpec{Name: pinpath.MapState, Type: ebpf.Array, KeySize: 4, ValueSize: 16, MaxEntries: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer wrong.Close()
-	if err := wrong.Pin(filepath.Join(dir, "state")); err != nil {
+	if err := wrong.Pin(filepath.Join(dir, pinpath.MapState)); err != nil {
 		t.Fatal(err)
 	}
 	_, err = OpenIdentifier(g, root, id)
 	if !errors.Is(err, ErrIncompatiblePin) {
 		t.Fatalf("open with a foreign state map: got %v, want ErrIncompatiblePin", err)
 	}
-	if err := os.Remove(filepath.Join(dir, "state")); err != nil {
+	if err := os.Remove(filepath.Join(dir, pinpath.MapState)); err != nil {
 		t.Fatal(err)
 	}
 
@@ -167,10 +169,10 @@ func TestIncompatiblePinsAreRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	if err := other.Ingress.Pin(filepath.Join(dir, ProgIngressPin)); err != nil {
+	if err := other.Ingress.Pin(filepath.Join(dir, pinpath.ProgIngress)); err != nil {
 		t.Fatal(err)
 	}
-	if err := other.Egress.Pin(filepath.Join(dir, ProgEgressPin)); err != nil {
+	if err := other.Egress.Pin(filepath.Join(dir, pinpath.ProgEgress)); err != nil {
 		t.Fatal(err)
 	}
 	_, err = OpenIdentifier(g, root, id)
@@ -178,7 +180,7 @@ func TestIncompatiblePinsAreRefused(t *testing.T) {
 		t.Fatalf("open with another identifier's programs: got %v, want ErrIncompatiblePin", err)
 	}
 	// Nothing was swapped: the foreign pins are still there as they were.
-	p, err := ebpf.LoadPinnedProgram(filepath.Join(dir, ProgIngressPin), nil)
+	p, err := ebpf.LoadPinnedProgram(filepath.Join(dir, pinpath.ProgIngress), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,13 +235,13 @@ func TestRemoveIdentifier(t *testing.T) {
 	if err := RemoveIdentifier(root, "web@default"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(IdentifierDir(root, "web@default")); !os.IsNotExist(err) {
+	if _, err := os.Stat(pinpath.Root(root).Identifier("web@default")); !os.IsNotExist(err) {
 		t.Errorf("identifier directory still there: %v", err)
 	}
 	if err := RemoveIdentifier(root, "web@default"); err != nil {
 		t.Errorf("second remove: %v", err)
 	}
-	if _, err := os.Stat(filepath.Join(root, GlobalDir, "ct_v4")); err != nil {
+	if _, err := os.Stat(filepath.Join(pinpath.Root(root).Global(), pinpath.MapCTv4)); err != nil {
 		t.Errorf("global maps must stay: %v", err)
 	}
 	for _, bad := range []podid.ID{"", "../x@y", "a/b@c", "a.b@c"} {
@@ -286,5 +288,38 @@ func TestApplyPolicyBumpsGenerationOnlyOnChange(t *testing.T) {
 		if (after != before) != s.bump {
 			t.Errorf("step %d: generation %d -> %d, want a bump: %v", i, before, after, s.bump)
 		}
+	}
+}
+
+// TestConntrackTableSize: the conntrack maps' capacity is a node setting;
+// the programs use maps of that size, and pins of another size are refused
+// with an error that names both sizes.
+func TestConntrackTableSize(t *testing.T) {
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobalWith(root, GlobalOptions{CTv4Entries: 4096, CTv6Entries: 2048})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if g.CTv4.MaxEntries() != 4096 || g.CTv6.MaxEntries() != 2048 {
+		t.Fatalf("maps of %d and %d entries, want 4096 and 2048", g.CTv4.MaxEntries(), g.CTv6.MaxEntries())
+	}
+	ident, err := OpenIdentifier(g, root, "web@default")
+	if err != nil {
+		t.Fatalf("programs with a resized conntrack map: %v", err)
+	}
+	ident.Close()
+
+	_, err = OpenGlobal(root)
+	if !errors.Is(err, ErrTableSize) || !errors.Is(err, ErrIncompatiblePin) {
+		t.Fatalf("default size over pins of 4096: got %v, want ErrTableSize", err)
+	}
+	for _, want := range []string{"4096", "131072", "--ct-v4-entries"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %s", err, want)
+		}
+	}
+	if _, err := OpenGlobalWith(root, GlobalOptions{CTv4Entries: 100}); err == nil {
+		t.Error("a table of 100 entries was accepted")
 	}
 }

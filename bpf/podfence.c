@@ -63,6 +63,11 @@ struct {
 	__uint(max_entries, 256 * 1024);
 } deny_events SEC(".maps");
 
+// Only a local variable has struct deny_event's type, and clang keeps no
+// BTF for locals: this constant puts it in the object so that bpf2go
+// generates the Go type the sweeper decodes events with.
+const struct deny_event *const deny_event_type = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);

@@ -49,6 +49,21 @@ type podfenceCtValue struct {
 	Pad        [3]uint8
 }
 
+type podfenceDenyEvent struct {
+	_           structs.HostLayout
+	TimestampNs uint64
+	Ifindex     uint32
+	Family      uint8
+	Proto       uint8
+	Direction   uint8
+	Reason      uint8
+	Sport       uint16
+	Dport       uint16
+	Src         [16]uint8
+	Dst         [16]uint8
+	_           [4]byte
+}
+
 type podfenceEventBudget struct {
 	_      structs.HostLayout
 	LastNs uint64
@@ -119,23 +134,24 @@ type podfencePortSet struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	podfenceMapCounters    = "counters"
-	podfenceMapCtV4        = "ct_v4"
-	podfenceMapCtV6        = "ct_v6"
-	podfenceMapDenyEvents  = "deny_events"
-	podfenceMapEventBudget = "event_budget"
-	podfenceMapFrags       = "frags"
-	podfenceMapNodeAddrs   = "node_addrs"
-	podfenceMapPolEgV4     = "pol_eg_v4"
-	podfenceMapPolEgV6     = "pol_eg_v6"
-	podfenceMapPolInV4     = "pol_in_v4"
-	podfenceMapPolInV6     = "pol_in_v6"
-	podfenceMapPortSets    = "port_sets"
-	podfenceMapState       = "state"
-	podfenceMapTickClock   = "tick_clock"
-	podfenceProgPodEgress  = "pod_egress"
-	podfenceProgPodIngress = "pod_ingress"
-	podfenceVarCoarseClock = "coarse_clock"
+	podfenceMapCounters      = "counters"
+	podfenceMapCtV4          = "ct_v4"
+	podfenceMapCtV6          = "ct_v6"
+	podfenceMapDenyEvents    = "deny_events"
+	podfenceMapEventBudget   = "event_budget"
+	podfenceMapFrags         = "frags"
+	podfenceMapNodeAddrs     = "node_addrs"
+	podfenceMapPolEgV4       = "pol_eg_v4"
+	podfenceMapPolEgV6       = "pol_eg_v6"
+	podfenceMapPolInV4       = "pol_in_v4"
+	podfenceMapPolInV6       = "pol_in_v6"
+	podfenceMapPortSets      = "port_sets"
+	podfenceMapState         = "state"
+	podfenceMapTickClock     = "tick_clock"
+	podfenceProgPodEgress    = "pod_egress"
+	podfenceProgPodIngress   = "pod_ingress"
+	podfenceVarCoarseClock   = "coarse_clock"
+	podfenceVarDenyEventType = "deny_event_type"
 )
 
 // loadPodfence returns the embedded CollectionSpec for podfence.
@@ -208,7 +224,8 @@ type podfenceMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type podfenceVariableSpecs struct {
-	CoarseClock *ebpf.VariableSpec `ebpf:"coarse_clock"`
+	CoarseClock   *ebpf.VariableSpec `ebpf:"coarse_clock"`
+	DenyEventType *ebpf.VariableSpec `ebpf:"deny_event_type"`
 }
 
 // podfenceObjects contains all objects after they have been loaded into the kernel.
@@ -270,7 +287,8 @@ func (m *podfenceMaps) Close() error {
 //
 // It can be passed to loadPodfenceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type podfenceVariables struct {
-	CoarseClock *ebpf.Variable `ebpf:"coarse_clock"`
+	CoarseClock   *ebpf.Variable `ebpf:"coarse_clock"`
+	DenyEventType *ebpf.Variable `ebpf:"deny_event_type"`
 }
 
 // podfencePrograms contains all programs after they have been loaded into the kernel.

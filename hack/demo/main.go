@@ -27,6 +27,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -171,7 +172,7 @@ spec:
 	if err := d.delPod(web2); err != nil {
 		return err
 	}
-	if _, err := os.Stat(bpf.IdentifierDir(d.pinRoot, podid.ID(web2.id))); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(pinpath.Root(d.pinRoot).Identifier(podid.ID(web2.id))); errors.Is(err, os.ErrNotExist) {
 		say("%s is gone from bpffs: nothing of the web identifier is left", web2.id)
 	} else {
 		return fmt.Errorf("the identifier's pins are still there after the last replica left (%v)", err)

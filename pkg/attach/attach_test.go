@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/podfence/podfence/pkg/pinpath"
 )
 
 // Tests that need no root.
@@ -72,7 +74,7 @@ func TestOptionsChecked(t *testing.T) {
 		t.Fatal("missing pin reported as missing tcx")
 	}
 	// Interface gone: only a link pin may be left, and none is.
-	gone := Options{Hook: HookIngress, LinkPin: filepath.Join(t.TempDir(), "link_ingress")}
+	gone := Options{Hook: HookIngress, LinkPin: filepath.Join(t.TempDir(), pinpath.LinkIngress)}
 	if err := Detach(gone); err != nil {
 		t.Fatalf("Detach from a gone interface without a pin: %v", err)
 	}

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -23,15 +23,9 @@ var (
 	ErrCorruptRecord = errors.New("corrupt member record")
 )
 
-const (
-	membersDir = "members"
-	recordName = "record"
-)
-
-// Store keeps membership below a pin root, beside the identifiers' pins:
-//
-//	<root>/ids/<identifier>/members/<key>/record   symlink whose target is the record
-//	<root>/ids/<identifier>/members/<key>/...      the member's TCX link pins
+// Store keeps membership below a pin root, beside the identifiers' pins,
+// where package pinpath says: a member's record is a symlink in its
+// directory, beside the member's TCX link pins.
 type Store struct {
 	root string
 }
@@ -44,7 +38,7 @@ func (s *Store) Root() string { return s.root }
 
 // Identifiers lists the identifiers that have a directory (pins, members or both).
 func (s *Store) Identifiers() ([]podid.ID, error) {
-	entries, err := os.ReadDir(filepath.Join(s.root, bpf.IdentifiersDir))
+	entries, err := os.ReadDir(pinpath.Root(s.root).Identifiers())
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -81,7 +75,7 @@ func (s *Store) Lock(id podid.ID, create bool) (*Lock, error) {
 	if !podid.Valid(string(id)) {
 		return nil, fmt.Errorf("lock identifier %q: %w", id, podid.ErrInvalid)
 	}
-	dir := bpf.IdentifierDir(s.root, id)
+	dir := pinpath.Root(s.root).Identifier(id)
 	for {
 		if create {
 			if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -149,7 +143,7 @@ func (l *Lock) Dir() string { return l.dir }
 
 // MemberDir is where a member's record and link pins live.
 func (l *Lock) MemberDir(key string) string {
-	return filepath.Join(l.dir, membersDir, key)
+	return filepath.Join(l.dir, pinpath.MembersDir, key)
 }
 
 // Members returns the identifier's members sorted by key. A record that
@@ -187,7 +181,7 @@ func (sc Scan) InUse() bool { return len(sc.Members) > 0 || len(sc.Unreadable) >
 // Unreadable; any other failure to read one is an error.
 func (l *Lock) Scan() (Scan, error) {
 	var sc Scan
-	entries, err := os.ReadDir(filepath.Join(l.dir, membersDir))
+	entries, err := os.ReadDir(filepath.Join(l.dir, pinpath.MembersDir))
 	if errors.Is(err, fs.ErrNotExist) {
 		return sc, nil
 	}
@@ -212,7 +206,7 @@ func (l *Lock) Scan() (Scan, error) {
 
 // Member reads one member's record.
 func (l *Lock) Member(key string) (Member, error) {
-	target, err := os.Readlink(filepath.Join(l.MemberDir(key), recordName))
+	target, err := os.Readlink(filepath.Join(l.MemberDir(key), pinpath.Record))
 	if errors.Is(err, fs.ErrNotExist) {
 		return Member{}, fmt.Errorf("member %s of %q: %w", key, l.ID, ErrNotMember)
 	}
@@ -238,12 +232,12 @@ func (l *Lock) Put(m Member) error {
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, recordName+"~new")
+	tmp := filepath.Join(dir, pinpath.RecordTemp)
 	_ = os.Remove(tmp)
 	if err := os.Symlink(string(text), tmp); err != nil {
 		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
 	}
-	if err := os.Rename(tmp, filepath.Join(dir, recordName)); err != nil {
+	if err := os.Rename(tmp, filepath.Join(dir, pinpath.Record)); err != nil {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
 	}
@@ -271,9 +265,14 @@ func (s *Store) FindContainer(containerID, ifname string) (podid.ID, error) {
 	}
 	key := Key(containerID, ifname)
 	for _, id := range ids {
-		path := filepath.Join(bpf.IdentifierDir(s.root, id), membersDir, key)
-		if _, err := os.Lstat(path); err == nil {
+		path := pinpath.Root(s.root).Member(id, key)
+		_, err := os.Lstat(path)
+		if err == nil {
 			return id, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			// Not "no record": the caller must not take it for one.
+			return "", fmt.Errorf("container %s interface %s: %w", containerID, ifname, err)
 		}
 	}
 	return "", fmt.Errorf("container %s interface %s: %w", containerID, ifname, ErrNotMember)

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/kernel"
 )
@@ -57,7 +58,7 @@ func TestLockWithoutCreate(t *testing.T) {
 	if !errors.Is(err, ErrNoIdentifier) || !strings.Contains(err.Error(), string(testID)) {
 		t.Fatalf("Lock without create on a missing identifier: %v, want ErrNoIdentifier naming it", err)
 	}
-	if _, err := os.Lstat(bpf.IdentifierDir(s.Root(), testID)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(pinpath.Root(s.Root()).Identifier(testID)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("Lock without create made the directory: %v", err)
 	}
 
@@ -65,7 +66,7 @@ func TestLockWithoutCreate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l.Dir() != bpf.IdentifierDir(s.Root(), testID) || l.ID != testID {
+	if l.Dir() != pinpath.Root(s.Root()).Identifier(testID) || l.ID != testID {
 		t.Errorf("lock of %q in %s", l.ID, l.Dir())
 	}
 	if fi, err := os.Stat(l.Dir()); err != nil || !fi.IsDir() {
@@ -212,7 +213,7 @@ func TestLockWaiterWithoutCreate(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the waiter did not return")
 	}
-	if _, err := os.Lstat(bpf.IdentifierDir(s.Root(), testID)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(pinpath.Root(s.Root()).Identifier(testID)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a waiter without create recreated the identifier: %v", err)
 	}
 }
@@ -336,7 +337,7 @@ func TestPutReplacesAtomically(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A plugin killed between writing and renaming left a temporary.
-	if err := os.Symlink("v=1&junk", filepath.Join(l.MemberDir(m.Key()), recordName+"~new")); err != nil {
+	if err := os.Symlink("v=1&junk", filepath.Join(l.MemberDir(m.Key()), pinpath.RecordTemp)); err != nil {
 		t.Fatal(err)
 	}
 	m2 := m
@@ -355,12 +356,12 @@ func TestPutReplacesAtomically(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(entries) != 1 || entries[0].Name() != recordName {
+	if len(entries) != 1 || entries[0].Name() != pinpath.Record {
 		var names []string
 		for _, e := range entries {
 			names = append(names, e.Name())
 		}
-		t.Errorf("member directory holds %v, want only %s", names, recordName)
+		t.Errorf("member directory holds %v, want only %s", names, pinpath.Record)
 	}
 
 	// Readers never see the record missing or half-written while it is
@@ -454,7 +455,7 @@ func TestMembers(t *testing.T) {
 		t.Errorf("removing a missing member: %v", err)
 	}
 	// Remove takes the member's link pins with it.
-	if err := os.Mkdir(filepath.Join(l.MemberDir(Key("c3", "eth0")), "link_ingress"), 0o700); err != nil {
+	if err := os.Mkdir(filepath.Join(l.MemberDir(Key("c3", "eth0")), pinpath.LinkIngress), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.Remove(Key("c3", "eth0")); err != nil {
@@ -469,7 +470,7 @@ func TestMembers(t *testing.T) {
 	if err := os.MkdirAll(l.MemberDir(bad), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink("v=7&container=c9", filepath.Join(l.MemberDir(bad), recordName)); err != nil {
+	if err := os.Symlink("v=7&container=c9", filepath.Join(l.MemberDir(bad), pinpath.Record)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := l.Members(); !errors.Is(err, ErrCorruptRecord) || !strings.Contains(err.Error(), bad) {
@@ -483,10 +484,10 @@ func TestMembers(t *testing.T) {
 		t.Errorf("Scan with a corrupt record: %+v, %v; want it unreadable and in use", sc, err)
 	}
 	// A record that is not a symlink is not readable either.
-	if err := os.Remove(filepath.Join(l.MemberDir(bad), recordName)); err != nil {
+	if err := os.Remove(filepath.Join(l.MemberDir(bad), pinpath.Record)); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Mkdir(filepath.Join(l.MemberDir(bad), recordName), 0o700); err != nil {
+	if err := os.Mkdir(filepath.Join(l.MemberDir(bad), pinpath.Record), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := l.Members(); err == nil || errors.Is(err, ErrNotMember) {
@@ -518,7 +519,7 @@ func TestIdentifiersAndFindContainer(t *testing.T) {
 	}
 	// Not identifiers: podfence's other directories, and names that podid
 	// never builds.
-	for _, d := range []string{"global", "ids/not-an-identifier"} {
+	for _, d := range []string{pinpath.GlobalDir, filepath.Join(pinpath.IdentifiersDir, "not-an-identifier")} {
 		if err := os.MkdirAll(filepath.Join(s.Root(), d), 0o700); err != nil {
 			t.Fatal(err)
 		}

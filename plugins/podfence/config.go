@@ -11,13 +11,15 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
 
+	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
 // Defaults of the optional settings.
 const (
-	defaultPinRoot   = "/sys/fs/bpf/podfence"
+	defaultPinRoot   = pinpath.DefaultRoot
 	defaultPolicyDir = "/etc/podfence/policies"
 )
 
@@ -45,6 +47,12 @@ type PluginConf struct {
 	LogFile string `json:"logFile,omitempty"`
 	// LogLevel is "debug", "info" (default), "warn" or "error".
 	LogLevel string `json:"logLevel,omitempty"`
+	// CTv4Entries and CTv6Entries size the node's conntrack maps (default
+	// 131072 and 65536). A node setting: every conflist on the node and the
+	// sweeper's --ct-v4-entries/--ct-v6-entries must say the same, and pins
+	// of another size are refused.
+	CTv4Entries uint32 `json:"ctV4Entries,omitempty"`
+	CTv6Entries uint32 `json:"ctV6Entries,omitempty"`
 
 	mode       policy.Mode
 	attachMode attach.Mode
@@ -58,7 +66,7 @@ var knownKeys = map[string]bool{
 	"dns": true, "prevResult": true, "cni.dev/valid-attachments": true,
 	"runtimeConfig": true, "args": true,
 	"pinRoot": true, "policyDir": true, "enforcingMode": true, "attachMode": true,
-	"logFile": true, "logLevel": true,
+	"logFile": true, "logLevel": true, "ctV4Entries": true, "ctV6Entries": true,
 	// The name an earlier draft of the spec used; libcni's GC sends it
 	// beside the current one (containernetworking/cni#1101).
 	oldValidAttachmentsKey: true,
@@ -81,7 +89,7 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 	}
 	if len(unknown) > 0 {
 		sort.Strings(unknown)
-		return nil, configError("unknown config keys %s (podfence takes pinRoot, policyDir, enforcingMode, attachMode, logFile, logLevel)", strings.Join(unknown, ", "))
+		return nil, configError("unknown config keys %s (podfence takes pinRoot, policyDir, enforcingMode, attachMode, logFile, logLevel, ctV4Entries, ctV6Entries)", strings.Join(unknown, ", "))
 	}
 
 	conf := &PluginConf{}
@@ -114,6 +122,12 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 	}
 	if conf.logLevel, err = parseLogLevel(conf.LogLevel); err != nil {
 		return nil, configError("logLevel: %v", err)
+	}
+	if err := bpf.CheckCTEntries(conf.CTv4Entries); err != nil {
+		return nil, configError("ctV4Entries: %v", err)
+	}
+	if err := bpf.CheckCTEntries(conf.CTv6Entries); err != nil {
+		return nil, configError("ctV6Entries: %v", err)
 	}
 
 	if conf.RawPrevResult != nil {

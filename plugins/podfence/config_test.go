@@ -126,6 +126,15 @@ func TestParseConfigEveryKey(t *testing.T) {
 			t.Errorf("enforcingMode %q: %v", m, err)
 		}
 	}
+	c, err = parseConfig(conf(`"ctV4Entries": 262144, "ctV6Entries": 1024`), false)
+	if err != nil || c.CTv4Entries != 262144 || c.CTv6Entries != 1024 {
+		t.Errorf("ctV4Entries/ctV6Entries: %+v %v", c, err)
+	}
+	for _, bad := range []string{`"ctV4Entries": 100`, `"ctV6Entries": 33554432`, `"ctV4Entries": -1`} {
+		if _, err := parseConfig(conf(bad), false); err == nil {
+			t.Errorf("%s: accepted", bad)
+		}
+	}
 }
 
 // TestParseConfigGCKeys: libcni's GCNetworkList injects the valid

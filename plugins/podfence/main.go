@@ -7,7 +7,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 	"slices"
 
 	"github.com/cilium/ebpf"
@@ -18,7 +17,9 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -91,7 +92,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	// the order they hold it, so an older reading never overwrites a newer.
 	set, err := readPolicy(conf, id)
 	if err != nil {
-		if _, cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := lifecycle.RemoveIfUnused(conf.PinRoot, lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -109,10 +110,10 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	if err := add(conf, call, lock, member, set); err != nil {
 		// Leave nothing behind: this member's attachments and record,
 		// and the identifier's pins if no other member uses them.
-		if cerr := removeMember(lock, member); cerr != nil {
+		if cerr := lifecycle.RemoveMember(lock, member); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
-		if _, cerr := removeIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := lifecycle.RemoveIfUnused(conf.PinRoot, lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -126,21 +127,25 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 // a kill at any instant repairable (see package membership): pins, then the
 // member's record, then the attachments.
 func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Member, set policy.Set) error {
-	g, err := bpf.OpenGlobal(conf.PinRoot)
+	g, err := bpf.OpenGlobalWith(conf.PinRoot, bpf.GlobalOptions{CTv4Entries: conf.CTv4Entries, CTv6Entries: conf.CTv6Entries})
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	defer g.Close()
-	if err := g.SyncNodeAddrs(nodeAddrs); err != nil {
+	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	call.mark("open-global")
 	ident, err := bpf.OpenIdentifier(g, conf.PinRoot, lock.ID)
 	if errors.Is(err, bpf.ErrIncompatiblePin) {
-		ident, err = replaceUnusedObjects(g, conf.PinRoot, lock, call, err)
+		incompatible := err
+		var replaced bool
+		if ident, replaced, err = lifecycle.ReplaceUnusedObjects(g, conf.PinRoot, lock, incompatible); replaced {
+			call.replaced = incompatible.Error()
+		}
 	}
 	if err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
+		return cniError(err, errDatapath)
 	}
 	defer ident.Close()
 	call.mark("open-identifier")
@@ -155,43 +160,23 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	if err := lock.Put(m); err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
-	for _, h := range hooks(lock, m) {
+	for _, h := range lifecycle.Hooks(lock, m) {
 		prog := ident.Ingress
-		if h.hook == attach.HookIngress {
+		if h.Hook == attach.HookIngress {
 			prog = ident.Egress // the pod's egress is the veth's ingress
 		}
 		if _, err := attach.Attach(attach.Options{
 			Ifindex: m.HostIfindex,
-			Hook:    h.hook,
+			Hook:    h.Hook,
 			Program: prog,
 			Mode:    attach.Mode(m.AttachMode),
-			LinkPin: h.linkPin,
+			LinkPin: h.LinkPin,
 		}); err != nil {
 			return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, err), "")
 		}
 	}
 	call.mark("attach")
 	return nil
-}
-
-// replaceUnusedObjects handles pins of the identifier that this build
-// cannot use (another build's, say): when no member uses them, nothing
-// attached does either (see package membership), so they are replaced.
-// With members they stay, and the ADD fails with incompatible's error: a
-// live datapath is never swapped silently.
-func replaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, call *call, incompatible error) (*bpf.Identifier, error) {
-	sc, err := lock.Scan()
-	if err != nil {
-		return nil, errors.Join(incompatible, err)
-	}
-	if sc.InUse() {
-		return nil, fmt.Errorf("%w (in use by %d members; it is replaced once they are gone)", incompatible, len(sc.Members)+len(sc.Unreadable))
-	}
-	if err := bpf.RemoveObjects(pinRoot, lock.ID); err != nil {
-		return nil, errors.Join(incompatible, err)
-	}
-	call.replaced = incompatible.Error()
-	return bpf.OpenIdentifier(g, pinRoot, lock.ID)
 }
 
 // readPolicy is what policyDir says for id. ADD checks it with Set.Check
@@ -216,21 +201,6 @@ func policyError(conf *PluginConf, err error) error {
 	return types.NewError(errPolicy, fmt.Sprintf("policy directory %s: %v", conf.PolicyDir, err), "")
 }
 
-type hookPin struct {
-	hook    attach.Hook
-	linkPin string
-}
-
-// hooks are a member's two attachments; TCX links are pinned in the
-// member's directory, so removing the member removes them.
-func hooks(lock *membership.Lock, m membership.Member) []hookPin {
-	dir := lock.MemberDir(m.Key())
-	return []hookPin{
-		{attach.HookIngress, filepath.Join(dir, "link_ingress")},
-		{attach.HookEgress, filepath.Join(dir, "link_egress")},
-	}
-}
-
 func cmdDel(args *skel.CmdArgs) (err error) {
 	conf, err := parseConfig(args.StdinData, false)
 	if err != nil {
@@ -248,9 +218,13 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	lock, err := store.Lock(id, false)
 	if idErr != nil || errors.Is(err, membership.ErrNoIdentifier) {
 		found, ferr := store.FindContainer(args.ContainerID, args.IfName)
-		if ferr != nil {
+		if errors.Is(ferr, membership.ErrNotMember) {
 			call.action = "nothing recorded"
 			return nil
+		}
+		if ferr != nil {
+			// EACCES, EIO: the record may be there, with attachments.
+			return types.NewError(errState, ferr.Error(), "")
 		}
 		id = found
 		lock, err = store.Lock(id, false)
@@ -269,8 +243,8 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	switch {
 	case err == nil:
 		call.veth = m.HostVeth
-		if err := removeMember(lock, m); err != nil {
-			return err
+		if err := lifecycle.RemoveMember(lock, m); err != nil {
+			return cniError(err, errState)
 		}
 		call.action = "detached"
 	case errors.Is(err, membership.ErrNotMember):
@@ -292,53 +266,10 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	default:
 		return types.NewError(errState, err.Error(), "")
 	}
-	if _, err := removeIfUnused(conf.PinRoot, lock); err != nil {
-		return err
+	if _, err := lifecycle.RemoveIfUnused(conf.PinRoot, lock); err != nil {
+		return cniError(err, errState)
 	}
 	return nil
-}
-
-// removeMember detaches a member's programs and deletes its record. Gone
-// already (veth, links, record) is fine.
-func removeMember(lock *membership.Lock, m membership.Member) error {
-	// The legacy filter is found by ifindex, which a new veth may have
-	// taken since: detach it only from the veth the record names; without
-	// it (ifindex 0) Detach removes only the link pins.
-	ifindex := m.HostIfindex
-	if !vethStillThere(m) {
-		ifindex = 0
-	}
-	var errs []error
-	for _, h := range hooks(lock, m) {
-		o := attach.Options{Hook: h.hook, LinkPin: h.linkPin, Ifindex: ifindex}
-		if err := attach.Detach(o); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if len(errs) > 0 {
-		return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, errors.Join(errs...)), "")
-	}
-	if err := lock.Remove(m.Key()); err != nil {
-		return types.NewError(errState, err.Error(), "")
-	}
-	return nil
-}
-
-// removeIfUnused removes the identifier's pins when it has no member left,
-// and says whether it did. A member whose record cannot be read keeps them:
-// it may be a live pod whose record another version of podfence wrote.
-func removeIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
-	sc, err := lock.Scan()
-	if err != nil {
-		return false, types.NewError(errState, err.Error(), "")
-	}
-	if sc.InUse() {
-		return false, nil
-	}
-	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
-		return false, types.NewError(errDatapath, err.Error(), "")
-	}
-	return true, nil
 }
 
 func cmdCheck(args *skel.CmdArgs) (err error) {
@@ -368,7 +299,9 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
-	if !vethStillThere(m) {
+	if present, err := lifecycle.VethPresent(m); err != nil {
+		return types.NewError(errAttach, err.Error(), "")
+	} else if !present {
 		return types.NewError(errAttach, fmt.Sprintf("veth %s (ifindex %d) of container %s is gone", m.HostVeth, m.HostIfindex, m.ContainerID), "")
 	}
 	for _, c := range []struct {
@@ -405,78 +338,41 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
+	// Every member the runtime does not list goes, whether or not its
+	// record can be read: the runtime knows all of its containers.
+	stale := func(key string, _ *membership.Member, _ bool) bool { return !valid[key] }
 	removed, emptied := 0, 0
 	var errs []error
 	for _, id := range ids {
-		r, e, err := gcIdentifier(conf.PinRoot, store, id, valid)
-		removed += r
-		emptied += e
+		c, err := lifecycle.Collect(conf.PinRoot, store, id, stale)
+		removed += len(c.Members) + len(c.Keys)
+		if c.Identifier {
+			emptied++
+		}
 		if err != nil {
 			errs = append(errs, err)
 		}
 	}
 	call.action = fmt.Sprintf("removed %d stale members, %d unused identifiers", removed, emptied)
 	if len(errs) > 0 {
-		return types.NewError(errState, errors.Join(errs...).Error(), "")
+		return cniError(errors.Join(errs...), errState)
 	}
 	return nil
 }
 
-func gcIdentifier(pinRoot string, store *membership.Store, id podid.ID, valid map[string]bool) (removed, emptied int, err error) {
-	lock, err := store.Lock(id, false)
-	if errors.Is(err, membership.ErrNoIdentifier) {
-		return 0, 0, nil
+// cniError gives err the CNI code of the part of the node it concerns
+// (package lifecycle's sentinels), or fallback.
+func cniError(err error, fallback uint) error {
+	code := fallback
+	switch {
+	case errors.Is(err, lifecycle.ErrAttach):
+		code = errAttach
+	case errors.Is(err, lifecycle.ErrDatapath):
+		code = errDatapath
+	case errors.Is(err, lifecycle.ErrState):
+		code = errState
 	}
-	if err != nil {
-		return 0, 0, err
-	}
-	defer lock.Unlock()
-	sc, err := lock.Scan()
-	if err != nil {
-		return 0, 0, err
-	}
-	kept := false // a member stays, so the pins do (sc.InUse after the removals)
-	for _, m := range sc.Members {
-		if valid[m.Key()] {
-			kept = true
-			continue
-		}
-		if err := removeMember(lock, m); err != nil {
-			return removed, 0, err
-		}
-		removed++
-	}
-	// Directories of members whose ADD was killed before their record
-	// was in place (nothing was attached for them), and unreadable records
-	// of containers the runtime no longer has: what they attached cannot
-	// be found, but their link pins go with their directories.
-	for _, key := range sc.Incomplete {
-		if !valid[key] {
-			if err := lock.Remove(key); err != nil {
-				return removed, 0, err
-			}
-		}
-	}
-	for _, key := range sc.Unreadable {
-		if valid[key] {
-			kept = true
-			continue
-		}
-		if err := lock.Remove(key); err != nil {
-			return removed, 0, err
-		}
-	}
-	if kept {
-		return removed, 0, nil
-	}
-	gone, err := removeIfUnused(pinRoot, lock)
-	if err != nil {
-		return removed, 0, err
-	}
-	if gone {
-		emptied = 1
-	}
-	return removed, emptied, nil
+	return types.NewError(code, err.Error(), "")
 }
 
 func cmdStatus(args *skel.CmdArgs) (err error) {

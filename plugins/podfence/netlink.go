@@ -1,7 +1,6 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -12,8 +11,6 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
-
-	"github.com/podfence/podfence/pkg/membership"
 )
 
 // hostVeth is the host side of a pod's veth, in the plugin's (the node's)
@@ -82,18 +79,6 @@ func findHostVeth(prev *current.Result, netnsPath, ifname string) (hostVeth, err
 	return hostVeth{Name: name, Index: peerIndex}, nil
 }
 
-// vethStillThere reports whether the member's ifindex still names its veth
-// (ifindexes are reused once a veth is gone).
-func vethStillThere(m membership.Member) bool {
-	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
-	if err != nil {
-		return false
-	}
-	defer h.Close()
-	link, err := h.LinkByIndex(m.HostIfindex)
-	return err == nil && link.Attrs().Name == m.HostVeth
-}
-
 // podIPs are the pod's addresses from the primary plugin's result.
 func podIPs(prev *current.Result) []netip.Prefix {
 	var out []netip.Prefix
@@ -106,41 +91,4 @@ func podIPs(prev *current.Result) []netip.Prefix {
 		out = append(out, netip.PrefixFrom(addr.Unmap(), bits))
 	}
 	return out
-}
-
-// nodeAddrs are the node's own addresses (link-local and loopback ones
-// excluded), from which kubelet probes come. A node without any simply has
-// nothing to always allow.
-func nodeAddrs() ([]netip.Addr, error) {
-	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
-	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
-	}
-	defer h.Close()
-	// A dump that spans several messages is flagged as interrupted when an
-	// address changes meanwhile, which is routine on a node where pods'
-	// veths come and go: dump again rather than fail the ADD.
-	var addrs []netlink.Addr
-	for attempt := 0; ; attempt++ {
-		addrs, err = h.AddrList(nil, netlink.FAMILY_ALL)
-		if !errors.Is(err, netlink.ErrDumpInterrupted) || attempt == 9 {
-			break
-		}
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list node addresses: %w", err)
-	}
-	var out []netip.Addr
-	for _, a := range addrs {
-		ip, ok := netip.AddrFromSlice(a.IP)
-		if !ok {
-			continue
-		}
-		ip = ip.Unmap()
-		if ip.IsLinkLocalUnicast() || ip.IsLoopback() {
-			continue
-		}
-		out = append(out, ip)
-	}
-	return out, nil
 }

@@ -13,6 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
+
 	"github.com/containernetworking/cni/libcni"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -243,7 +246,7 @@ func (c *cluster) connects(from, to *pod, port uint16) bool {
 
 // identifierDir is where the identifier's pins are.
 func (c *cluster) identifierDir(id string) string {
-	return filepath.Join(c.pinRoot, "ids", id)
+	return pinpath.Root(c.pinRoot).Identifier(podid.ID(id))
 }
 
 func exists(path string) bool {

@@ -34,6 +34,7 @@ import (
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/netnsutil"
 )
@@ -257,14 +258,14 @@ type kernelObjects struct {
 
 // identifierMaps are the maps pinned per identifier; with the program pins
 // and the members directory they are all an identifier's directory holds.
-var identifierMaps = bpf.IdentifierMapPins()
+var identifierMaps = pinpath.IdentifierMaps()
 
 // pinnedObjects collects the IDs of whatever an identifier has pinned now
 // (any of it may be missing after a kill).
 func (c *cluster) pinnedObjects(id podid.ID) kernelObjects {
 	var o kernelObjects
 	dir := c.identifierDir(string(id))
-	for _, name := range []string{bpf.ProgIngressPin, bpf.ProgEgressPin} {
+	for _, name := range []string{pinpath.ProgIngress, pinpath.ProgEgress} {
 		p, err := ebpf.LoadPinnedProgram(filepath.Join(dir, name), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
 			continue
@@ -409,16 +410,16 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 		}
 		return nil
 	})
-	if entries, err := os.ReadDir(filepath.Join(c.pinRoot, bpf.GlobalDir)); err == nil {
+	if entries, err := os.ReadDir(pinpath.Root(c.pinRoot).Global()); err == nil {
 		for _, en := range entries {
-			if !slices.Contains(bpf.GlobalPins(), en.Name()) {
+			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) {
 				errorf("unexpected global pin %s", en.Name())
 			}
 		}
 	}
 
 	// Pins exist if and only if members do.
-	entries, err := os.ReadDir(filepath.Join(c.pinRoot, bpf.IdentifiersDir))
+	entries, err := os.ReadDir(pinpath.Root(c.pinRoot).Identifiers())
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		errorf("list identifiers: %v", err)
 	}
@@ -427,7 +428,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 		id := podid.ID(en.Name())
 		onDisk[id] = true
 		if len(e.live[id]) == 0 && len(e.unsure[id]) == 0 {
-			errorf("identifier %s has no member, but its directory is still there: %s", id, listDir(filepath.Join(c.pinRoot, bpf.IdentifiersDir, en.Name())))
+			errorf("identifier %s has no member, but its directory is still there: %s", id, listDir(pinpath.Root(c.pinRoot).Identifier(podid.ID(en.Name()))))
 		}
 	}
 	vethUsed := map[int]bool{}
@@ -451,7 +452,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 	for ctr := range e.gone {
 		key := membership.Key(ctr, "eth0")
 		for id := range onDisk {
-			if p := filepath.Join(c.identifierDir(string(id)), "members", key); exists(p) {
+			if p := pinpath.Root(c.pinRoot).Member(id, key); exists(p) {
 				errorf("container %s is gone, but %s has its member directory: %s", ctr, id, listDir(p))
 			}
 		}
@@ -483,7 +484,7 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 	if err != nil {
 		errorf("identifier %s has %d members but its programs: %v (%s)", id, len(ms), err, listDir(dir))
 	}
-	allowed := append([]string{bpf.ProgIngressPin, bpf.ProgEgressPin, "members"}, identifierMaps...)
+	allowed := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MembersDir}, identifierMaps...)
 	entries, _ := os.ReadDir(dir)
 	for _, en := range entries {
 		if !slices.Contains(allowed, en.Name()) {
@@ -500,22 +501,22 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 	for ctr := range ms {
 		want[membership.Key(ctr, "eth0")] = ctr
 	}
-	memberFiles := []string{"record"}
+	memberFiles := []string{pinpath.Record}
 	if c.attachMode == string(attach.ModeTCX) {
-		memberFiles = []string{"link_egress", "link_ingress", "record"}
+		memberFiles = []string{pinpath.LinkEgress, pinpath.LinkIngress, pinpath.Record}
 	}
 	maybe := map[string]bool{}
 	for ctr := range unsure {
 		maybe[membership.Key(ctr, "eth0")] = true
 	}
-	members, _ := os.ReadDir(filepath.Join(dir, "members"))
+	members, _ := os.ReadDir(filepath.Join(dir, pinpath.MembersDir))
 	for _, en := range members {
 		if _, ok := want[en.Name()]; !ok && !maybe[en.Name()] {
-			errorf("identifier %s: member directory %s of no live container: %s", id, en.Name(), listDir(filepath.Join(dir, "members", en.Name())))
+			errorf("identifier %s: member directory %s of no live container: %s", id, en.Name(), listDir(filepath.Join(dir, pinpath.MembersDir, en.Name())))
 		}
 	}
 	for key, ctr := range want {
-		mdir := filepath.Join(dir, "members", key)
+		mdir := filepath.Join(dir, pinpath.MembersDir, key)
 		var names []string
 		files, _ := os.ReadDir(mdir)
 		for _, f := range files {
@@ -524,7 +525,7 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 		if !slices.Equal(names, memberFiles) {
 			errorf("identifier %s: member %s holds %v, want %v", id, key, names, memberFiles)
 		}
-		target, err := os.Readlink(filepath.Join(mdir, "record"))
+		target, err := os.Readlink(filepath.Join(mdir, pinpath.Record))
 		if err != nil {
 			errorf("identifier %s: live container %s has no record: %v", id, ctr, err)
 			continue
@@ -564,8 +565,8 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 func (c *cluster) checkReachable(t *testing.T, when string, slots []*slot) {
 	t.Helper()
 	recorded := map[int]bool{}
-	_ = filepath.WalkDir(filepath.Join(c.pinRoot, bpf.IdentifiersDir), func(path string, d fs.DirEntry, err error) error {
-		if err != nil || d.Name() != "record" {
+	_ = filepath.WalkDir(pinpath.Root(c.pinRoot).Identifiers(), func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.Name() != pinpath.Record {
 			return nil
 		}
 		target, err := os.Readlink(path)

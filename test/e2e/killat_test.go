@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -66,7 +67,7 @@ func TestAddKilledWhileRecording(t *testing.T) {
 					t.Fatal(err)
 				}
 				killed := invocation{command: "ADD", containerID: "ctr-killed", pod: webReplicas[1], slot: slots[1]}
-				path := filepath.Join(c.identifierDir(webID), "members", membership.Key(killed.containerID, "eth0"), "record~new")
+				path := filepath.Join(pinpath.Root(c.pinRoot).Member(podid.ID(webID), membership.Key(killed.containerID, "eth0")), pinpath.RecordTemp)
 				if !c.execKilledAtSyscall(t, killed, at.syscalls, path) {
 					t.Fatalf("%s was not killed at %s of %s", killed, at.syscalls, path)
 				}

@@ -28,6 +28,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/netnsutil"
 )
@@ -104,6 +105,7 @@ type lcCall struct {
 	args        string
 	conf        map[string]any
 	env         []string // more environment, after the CNI variables
+	plugin      string   // the executable to run, when not bin/podfence
 }
 
 // lcExec runs podfence the way a runtime does, in the node namespace, and
@@ -125,11 +127,15 @@ func lcExec(t *testing.T, c *cluster, call lcCall) ([]byte, error) {
 	env = append(env, call.env...)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	plugin := call.plugin
+	if plugin == "" {
+		plugin = filepath.Join(binDir, "podfence")
+	}
 	var out []byte
 	var stderr bytes.Buffer
 	err = c.inNode(func() error {
 		var err error
-		out, err = (&invoke.RawExec{Stderr: &stderr}).ExecPlugin(ctx, filepath.Join(binDir, "podfence"), stdin, env)
+		out, err = (&invoke.RawExec{Stderr: &stderr}).ExecPlugin(ctx, plugin, stdin, env)
 		return err
 	})
 	if stderr.Len() > 0 {
@@ -539,7 +545,7 @@ func TestDelContainerdShapes(t *testing.T) {
 func TestDelAfterFailedAdd(t *testing.T) {
 	c := lcCluster(t, attachModes(t)[0])
 	// A node-wide map pinned by a datapath of another layout.
-	global := filepath.Join(c.pinRoot, bpf.GlobalDir)
+	global := pinpath.Root(c.pinRoot).Global()
 	if err := os.MkdirAll(global, 0o700); err != nil {
 		t.Fatal(err)
 	}
@@ -548,16 +554,16 @@ func TestDelAfterFailedAdd(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	if err := m.Pin(filepath.Join(global, "ct_v4")); err != nil {
+	if err := m.Pin(filepath.Join(global, pinpath.MapCTv4)); err != nil {
 		t.Fatal(err)
 	}
 	before := lcTree(t, c.pinRoot)
 
 	p, err := c.tryAddPod(webReplicas[0], "default")
-	lcWantCNIError(t, err, 102, "ct_v4", "incompatible pin")
+	lcWantCNIError(t, err, 102, pinpath.MapCTv4, "incompatible pin")
 	// The identifier's directory was made (it is the lock's) and removed;
 	// the directory of all identifiers may stay.
-	before = append(before, bpf.IdentifiersDir)
+	before = append(before, pinpath.IdentifiersDir)
 	slices.Sort(before)
 	if after := lcTree(t, c.pinRoot); !slices.Equal(before, after) {
 		t.Errorf("failed ADD changed the pin root:\nbefore %v\nafter  %v", before, after)
@@ -743,7 +749,7 @@ func TestCheck(t *testing.T) {
 				t.Fatal(err)
 			}
 			aKey := membership.Key(a.containerID, "eth0")
-			rec := filepath.Join(l.MemberDir(aKey), "record")
+			rec := filepath.Join(l.MemberDir(aKey), pinpath.Record)
 			target, err := os.Readlink(rec)
 			if err != nil {
 				t.Fatal(err)
@@ -778,7 +784,7 @@ func TestCheck(t *testing.T) {
 			if err := c.inNode(func() error {
 				if mode == "tcx" {
 					// Detach the link but leave its pin.
-					pin := filepath.Join(l.Dir(), "members", membership.Key(b.containerID, "eth0"), "link_egress")
+					pin := filepath.Join(l.MemberDir(membership.Key(b.containerID, "eth0")), pinpath.LinkEgress)
 					ln, err := link.LoadPinnedLink(pin, nil)
 					if err != nil {
 						return err
@@ -797,7 +803,7 @@ func TestCheck(t *testing.T) {
 			// And the other hook too.
 			if err := c.inNode(func() error {
 				if mode == "tcx" {
-					pin := filepath.Join(l.Dir(), "members", membership.Key(b.containerID, "eth0"), "link_ingress")
+					pin := filepath.Join(l.MemberDir(membership.Key(b.containerID, "eth0")), pinpath.LinkIngress)
 					ln, err := link.LoadPinnedLink(pin, nil)
 					if err != nil {
 						return err

@@ -11,6 +11,8 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
 )
 
 // TestUnreadableRecordKeepsPins: a member record podfence cannot decode
@@ -22,7 +24,7 @@ func TestUnreadableRecordKeepsPins(t *testing.T) {
 	c := lcCluster(t, attachModes(t)[0])
 	a := c.addPod(webReplicas[0], "default")
 	b := c.addPod(webReplicas[1], "default")
-	record := filepath.Join(c.identifierDir(webID), "members", membership.Key(b.containerID, "eth0"), "record")
+	record := pinpath.Root(c.pinRoot).Record(podid.ID(webID), membership.Key(b.containerID, "eth0"))
 	if err := os.Remove(record); err != nil {
 		t.Fatal(err)
 	}
@@ -64,13 +66,13 @@ func TestIncompatibleIdentifierPins(t *testing.T) {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		_ = os.Remove(filepath.Join(dir, "counters"))
+		_ = os.Remove(filepath.Join(dir, pinpath.MapCounters))
 		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 8, MaxEntries: 3})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer m.Close()
-		if err := m.Pin(filepath.Join(dir, "counters")); err != nil {
+		if err := m.Pin(filepath.Join(dir, pinpath.MapCounters)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -90,7 +92,7 @@ func TestIncompatibleIdentifierPins(t *testing.T) {
 	}
 	pinWrongCounters()
 	_, err = c.tryAddPod(webReplicas[1], "default")
-	lcWantCNIError(t, err, 102, "counters", "incompatible pin", "in use by 1 members")
+	lcWantCNIError(t, err, 102, pinpath.MapCounters, "incompatible pin", "in use by 1 members")
 	if in2, eg2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || in2 != in || eg2 != eg {
 		t.Errorf("programs of the live identifier changed: %d/%d -> %d/%d (%v)", in, eg, in2, eg2, err)
 	}

@@ -1,0 +1,87 @@
+package bpf
+
+import (
+	"fmt"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// IdentifierInfo is what an identifier's pins say about it.
+type IdentifierInfo struct {
+	ID         podid.ID
+	Generation uint32
+	Mode       policy.Mode
+	// Isolated by policy.Direction: that direction is enforced.
+	Isolated        [2]bool
+	Counters        Counters
+	Ingress, Egress ebpf.ProgramID
+}
+
+// Allowed and Denied are the packets the identifier's programs passed and
+// dropped, both directions.
+func (c Counters) Allowed() (n uint64) { return c.sum(VerdictAllow) }
+
+// Denied: see Allowed.
+func (c Counters) Denied() (n uint64) { return c.sum(VerdictDrop) }
+
+func (c Counters) sum(verdict uint32) (n uint64) {
+	for d := range c {
+		for r := range c[d] {
+			if Reason(r).Verdict() == verdict {
+				n += c[d][r]
+			}
+		}
+	}
+	return n
+}
+
+// InspectIdentifier reads an identifier's state, counters and program IDs
+// from its pins without loading, creating or changing anything (the
+// sweeper's ls and metrics). Pins of another layout are refused
+// (ErrIncompatiblePin).
+func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
+	info := IdentifierInfo{ID: id}
+	dir := pinpath.Root(pinRoot).Identifier(id)
+	open := func(name string) (*ebpf.Map, error) {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			return nil, fmt.Errorf("inspect %q: %w", id, err)
+		}
+		if err := checkLayout(name, m, 0); err != nil {
+			m.Close()
+			return nil, fmt.Errorf("inspect %q: %s: %w: %w", id, name, ErrIncompatiblePin, err)
+		}
+		return m, nil
+	}
+	state, err := open(mapState)
+	if err != nil {
+		return info, err
+	}
+	defer state.Close()
+	counters, err := open(mapCounters)
+	if err != nil {
+		return info, err
+	}
+	defer counters.Close()
+	var st podfenceIdState
+	if err := state.Lookup(uint32(0), &st); err != nil {
+		return info, fmt.Errorf("read state of %q: %w", id, err)
+	}
+	info.Generation = st.Generation
+	info.Mode = policy.ModeStandard
+	if st.Mode == stateModeStrict {
+		info.Mode = policy.ModeStrict
+	}
+	info.Isolated = [2]bool{st.Isolated&(1<<policy.Ingress) != 0, st.Isolated&(1<<policy.Egress) != 0}
+	i := Identifier{ID: id, Counters: counters}
+	if info.Counters, err = i.ReadCounters(); err != nil {
+		return info, err
+	}
+	info.Ingress, info.Egress, err = PinnedProgramIDs(pinRoot, id)
+	return info, err
+}

@@ -1,0 +1,206 @@
+// Package lifecycle adds and removes an identifier's members and pins in
+// the order that keeps package membership's invariants: records before
+// attachments, attachments gone before records, the pins removed only by a
+// lock holder that sees no member. The CNI plugin (ADD, DEL, GC) and the
+// sweeper (orphans of pods that vanished without a DEL) both go through
+// it; a second copy of these rules is how the seed's scale-down bug came
+// about.
+//
+// Errors wrap one of ErrState, ErrDatapath or ErrAttach, which say which
+// part of the node failed: the plugin maps them to its CNI error codes.
+package lifecycle
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+var (
+	// ErrState is wrapped when the membership store cannot be read or written.
+	ErrState = errors.New("membership state")
+	// ErrDatapath is wrapped when loading, pinning or removing eBPF objects fails.
+	ErrDatapath = errors.New("datapath")
+	// ErrAttach is wrapped when attaching to or detaching from a veth fails.
+	ErrAttach = errors.New("attachment")
+)
+
+// wrap tags err with the part of the node it concerns; nil stays nil.
+func wrap(kind, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", kind, err)
+}
+
+// Hook is one of a member's two attachments.
+type Hook struct {
+	Hook    attach.Hook
+	LinkPin string // where its TCX link is pinned (unused by tc attachments)
+}
+
+// Hooks are a member's attachments. TCX links are pinned in the member's
+// directory, so removing the member removes them.
+func Hooks(lock *membership.Lock, m membership.Member) []Hook {
+	dir := lock.MemberDir(m.Key())
+	return []Hook{
+		{attach.HookIngress, filepath.Join(dir, pinpath.LinkIngress)},
+		{attach.HookEgress, filepath.Join(dir, pinpath.LinkEgress)},
+	}
+}
+
+// VethPresent reports whether the member's ifindex still names its veth in
+// the calling thread's network namespace. Ifindexes are reused once a veth
+// is gone, so the name must match too. An error other than "no such link"
+// is returned: it says nothing about the veth.
+func VethPresent(m membership.Member) (bool, error) {
+	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	if err != nil {
+		return false, fmt.Errorf("netlink: %w", err)
+	}
+	defer h.Close()
+	link, err := h.LinkByIndex(m.HostIfindex)
+	var notFound netlink.LinkNotFoundError
+	if errors.As(err, &notFound) || errors.Is(err, unix.ENODEV) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("veth %s (ifindex %d): %w", m.HostVeth, m.HostIfindex, err)
+	}
+	return link.Attrs().Name == m.HostVeth, nil
+}
+
+// RemoveMember detaches a member's programs and deletes its record. Gone
+// already (veth, links, record) is fine.
+func RemoveMember(lock *membership.Lock, m membership.Member) error {
+	// The legacy filter is found by ifindex, which a new veth may have
+	// taken since: detach it only from the veth the record names; without
+	// it (ifindex 0) Detach removes only the link pins. A veth whose
+	// presence cannot be read is treated as gone, for the same reason.
+	ifindex := m.HostIfindex
+	if present, err := VethPresent(m); err != nil || !present {
+		ifindex = 0
+	}
+	var errs []error
+	for _, h := range Hooks(lock, m) {
+		o := attach.Options{Hook: h.Hook, LinkPin: h.LinkPin, Ifindex: ifindex}
+		if err := attach.Detach(o); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("%w: veth %s: %w", ErrAttach, m.HostVeth, errors.Join(errs...))
+	}
+	return wrap(ErrState, lock.Remove(m.Key()))
+}
+
+// RemoveIfUnused removes the identifier's pins when it has no member left,
+// and says whether it did. A member whose record cannot be read keeps them:
+// it may be a live pod whose record another version of podfence wrote.
+func RemoveIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
+	sc, err := lock.Scan()
+	if err != nil {
+		return false, wrap(ErrState, err)
+	}
+	if sc.InUse() {
+		return false, nil
+	}
+	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
+		return false, wrap(ErrDatapath, err)
+	}
+	return true, nil
+}
+
+// ReplaceUnusedObjects handles pins of the identifier that this build
+// cannot use (another build's, say): when no member uses them, nothing
+// attached does either (see package membership), so they are replaced and
+// replaced is true. With members they stay, and the error wraps
+// incompatible's: a live datapath is never swapped silently.
+func ReplaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, incompatible error) (ident *bpf.Identifier, replaced bool, err error) {
+	sc, err := lock.Scan()
+	if err != nil {
+		return nil, false, wrap(ErrState, errors.Join(incompatible, err))
+	}
+	if sc.InUse() {
+		return nil, false, fmt.Errorf("%w: %w (in use by %d members; it is replaced once they are gone)",
+			ErrDatapath, incompatible, len(sc.Members)+len(sc.Unreadable))
+	}
+	if err := bpf.RemoveObjects(pinRoot, lock.ID); err != nil {
+		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
+	}
+	ident, err = bpf.OpenIdentifier(g, pinRoot, lock.ID)
+	if err != nil {
+		return nil, false, wrap(ErrDatapath, err)
+	}
+	return ident, true, nil
+}
+
+// Stale decides which of an identifier's member directories a collection
+// removes. m is the member's record, or nil for a directory whose record is
+// missing (an ADD killed before writing it) or unreadable; corrupt says
+// which.
+type Stale func(key string, m *membership.Member, corrupt bool) bool
+
+// Collected is what one Collect removed.
+type Collected struct {
+	Members    []membership.Member // removed members with a readable record
+	Keys       []string            // removed directories without one (missing or corrupt)
+	Identifier bool                // the identifier's pins went with its last member
+}
+
+// Collect removes the members of id that stale selects, under id's lock,
+// and the identifier's pins when no member is left. A missing identifier
+// is nothing to collect.
+//
+// Without a record nothing can be detached, but the member's link pins go
+// with its directory (invariant 1: nothing else was attached for it).
+func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) (Collected, error) {
+	var out Collected
+	lock, err := store.Lock(id, false)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return out, nil
+	}
+	if err != nil {
+		return out, wrap(ErrState, err)
+	}
+	defer lock.Unlock()
+	sc, err := lock.Scan()
+	if err != nil {
+		return out, wrap(ErrState, err)
+	}
+	for i := range sc.Members {
+		m := sc.Members[i]
+		if !stale(m.Key(), &m, false) {
+			continue
+		}
+		if err := RemoveMember(lock, m); err != nil {
+			return out, err
+		}
+		out.Members = append(out.Members, m)
+	}
+	for _, group := range []struct {
+		keys    []string
+		corrupt bool
+	}{{sc.Incomplete, false}, {sc.Unreadable, true}} {
+		for _, key := range group.keys {
+			if !stale(key, nil, group.corrupt) {
+				continue
+			}
+			if err := lock.Remove(key); err != nil {
+				return out, wrap(ErrState, err)
+			}
+			out.Keys = append(out.Keys, key)
+		}
+	}
+	out.Identifier, err = RemoveIfUnused(pinRoot, lock)
+	return out, err
+}

@@ -1,0 +1,104 @@
+// Package pinpath is where podfence keeps its objects in bpffs: the one
+// place that names the directories and pins below a pin root. The plugin
+// writes this layout, the sweeper reads and cleans it, and the tests check
+// it, so all three spell it through this package:
+//
+//	<root>/global/<map>                           maps shared by every identifier on the node
+//	<root>/ids/<identifier>/prog_ingress|egress   the identifier's programs
+//	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets
+//	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
+//	<root>/ids/<identifier>/members/<key>/link_*  the member's pinned TCX links
+//
+// bpffs refuses names with a '.', so every name here, and every identifier
+// and member key placed in a path, has none.
+package pinpath
+
+import (
+	"path/filepath"
+
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+// DefaultRoot is the pin root of the plugin's pinRoot and the sweeper's
+// --pin-root when they are not set.
+const DefaultRoot = "/sys/fs/bpf/podfence"
+
+// Directory and pin names below a pin root.
+const (
+	GlobalDir      = "global"
+	IdentifiersDir = "ids"
+	MembersDir     = "members"
+
+	ProgIngress = "prog_ingress"
+	ProgEgress  = "prog_egress"
+
+	// Record is a member's record; RecordTemp the name it is written under
+	// before the rename that makes it visible.
+	Record     = "record"
+	RecordTemp = Record + "~new"
+
+	// LinkIngress and LinkEgress are a member's TCX links on the host
+	// veth's ingress and egress hooks.
+	LinkIngress = "link_ingress"
+	LinkEgress  = "link_egress"
+)
+
+// Map pin names: the maps' names in the object file, which the loader checks.
+const (
+	MapCTv4        = "ct_v4"
+	MapCTv6        = "ct_v6"
+	MapNodeAddrs   = "node_addrs"
+	MapDenyEvents  = "deny_events"
+	MapEventBudget = "event_budget"
+	MapFrags       = "frags"
+	MapTickClock   = "tick_clock"
+
+	MapState    = "state"
+	MapCounters = "counters"
+	MapPortSets = "port_sets"
+	MapPolInV4  = "pol_in_v4"
+	MapPolInV6  = "pol_in_v6"
+	MapPolEgV4  = "pol_eg_v4"
+	MapPolEgV6  = "pol_eg_v6"
+)
+
+// GlobalMaps are the map pins in GlobalDir.
+func GlobalMaps() []string {
+	return []string{MapCTv4, MapCTv6, MapNodeAddrs, MapDenyEvents, MapEventBudget, MapFrags, MapTickClock}
+}
+
+// IdentifierMaps are the map pins of an identifier's directory, beside its
+// two program pins and MembersDir.
+func IdentifierMaps() []string {
+	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6}
+}
+
+// Root is a pin root: a directory on bpffs that podfence owns.
+type Root string
+
+// Global is the directory of the node-wide maps.
+func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
+
+// Identifiers is the directory of every identifier's directory.
+func (r Root) Identifiers() string { return filepath.Join(string(r), IdentifiersDir) }
+
+// Identifier is the directory of one identifier's pins, which is also its
+// lock (see package membership).
+func (r Root) Identifier(id podid.ID) string {
+	return filepath.Join(string(r), IdentifiersDir, string(id))
+}
+
+// Members is the directory of an identifier's member directories.
+func (r Root) Members(id podid.ID) string {
+	return filepath.Join(r.Identifier(id), MembersDir)
+}
+
+// Member is the directory of one member (its record and link pins).
+func (r Root) Member(id podid.ID, key string) string {
+	return filepath.Join(r.Members(id), key)
+}
+
+// Record is a member's record.
+func (r Root) Record(id podid.ID, key string) string {
+	return filepath.Join(r.Member(id, key), Record)
+}
