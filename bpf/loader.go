@@ -3,6 +3,7 @@ package bpf
 import (
 	"cmp"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -627,6 +628,40 @@ func CheckPinRoot(pinRoot string) error {
 		return fmt.Errorf("pin root %s is not writable: %w", pinRoot, err)
 	}
 	return os.Remove(probe)
+}
+
+// CheckLoadCached is CheckLoad, done once per datapath build and kernel:
+// runtimes poll STATUS, and loading the programs costs the verifier's time
+// on every call. A success leaves a marker below pinRoot named by a hash
+// of the object file and the kernel's release and version; bpffs is
+// memory, so a reboot (a new kernel) clears it. It reports whether the
+// marker spared the load.
+func CheckLoadCached(pinRoot string) (cached bool, err error) {
+	marker, err := statusMarker(pinRoot)
+	if err != nil {
+		return false, err
+	}
+	if _, err := os.Stat(marker); err == nil {
+		return true, nil
+	}
+	if err := CheckLoad(); err != nil {
+		return false, err
+	}
+	// A failure to leave the marker costs the next call a load, no more.
+	_ = os.MkdirAll(marker, 0o700)
+	return false, nil
+}
+
+func statusMarker(pinRoot string) (string, error) {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return "", fmt.Errorf("uname: %w", err)
+	}
+	h := sha256.New()
+	h.Write(_PodfenceBytes)
+	h.Write(u.Release[:])
+	h.Write(u.Version[:])
+	return filepath.Join(pinpath.Root(pinRoot).Status(), fmt.Sprintf("verified-%x", h.Sum(nil)[:12])), nil
 }
 
 // CheckLoad loads both programs, with throwaway single-entry maps, and

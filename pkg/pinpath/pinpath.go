@@ -8,6 +8,7 @@
 //	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets
 //	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
 //	<root>/ids/<identifier>/members/<key>/link_*  the member's pinned TCX links
+//	<root>/status/verified-<hash>                 STATUS's cache: this build loads on this kernel
 //
 // bpffs refuses names with a '.', so every name here, and every identifier
 // and member key placed in a path, has none.
@@ -28,6 +29,9 @@ const (
 	GlobalDir      = "global"
 	IdentifiersDir = "ids"
 	MembersDir     = "members"
+	// StatusDir holds one empty directory per datapath build and kernel
+	// that STATUS has verified (bpffs holds no regular files).
+	StatusDir = "status"
 
 	ProgIngress = "prog_ingress"
 	ProgEgress  = "prog_egress"
@@ -78,6 +82,9 @@ type Root string
 
 // Global is the directory of the node-wide maps.
 func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
+
+// Status is the directory of STATUS's verified markers.
+func (r Root) Status() string { return filepath.Join(string(r), StatusDir) }
 
 // Identifiers is the directory of every identifier's directory.
 func (r Root) Identifiers() string { return filepath.Join(string(r), IdentifiersDir) }

@@ -385,10 +385,14 @@ func cmdStatus(args *skel.CmdArgs) (err error) {
 	if err := bpf.CheckPinRoot(conf.PinRoot); err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}
-	if err := bpf.CheckLoad(); err != nil {
+	cached, err := bpf.CheckLoadCached(conf.PinRoot)
+	if err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}
-	call.action = "ready"
+	call.action = "ready (datapath verified on this kernel)"
+	if cached {
+		call.action = "ready (datapath verified earlier on this kernel)"
+	}
 	return nil
 }
 
