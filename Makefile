@@ -3,16 +3,23 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build generate test test-kernels bench demo lint check-generated clean
+.PHONY: all build build-arm64 generate test test-kernels bench demo lint check-generated clean
 
 all: build
 
-# bin/podfence (the CNI plugin), static: a runtime execs it for every pod,
-# and a dynamically linked binary pays the loader on each call. The sweeper
-# (bin/podfence-sweeper) arrives with its own issue.
+# bin/podfence (the CNI plugin) and bin/podfence-sweeper, static: a runtime
+# execs the plugin for every pod, and a dynamically linked binary pays the
+# loader on each call; the sweeper runs in a scratch image.
 build:
 	$(GO) build $(PKGS)
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/podfence ./plugins/podfence
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/podfence-sweeper ./sweeper
+
+# EKS runs Graviton nodes: both binaries (and every package) for arm64.
+build-arm64:
+	CGO_ENABLED=0 GOARCH=arm64 $(GO) build $(PKGS)
+	CGO_ENABLED=0 GOARCH=arm64 $(GO) build -o $(BIN)/linux-arm64/podfence ./plugins/podfence
+	CGO_ENABLED=0 GOARCH=arm64 $(GO) build -o $(BIN)/linux-arm64/podfence-sweeper ./sweeper
 
 # Rebuild the bpf2go output from bpf/*.c (needs clang); the result is committed.
 generate:
@@ -38,8 +45,9 @@ bench:
 demo:
 	hack/demo.sh
 
-lint: check-generated
+lint: check-generated build-arm64
 	$(GO) vet $(PKGS)
+	GOARCH=arm64 $(GO) vet $(PKGS)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # Regenerates in a scratch copy and compares, so a stale object fails CI.

@@ -43,12 +43,17 @@ func TestMain(m *testing.M) {
 	binDir = dir
 	for _, pkg := range []string{
 		"github.com/podfence/podfence/plugins/podfence",
+		"github.com/podfence/podfence/sweeper",
 		"github.com/containernetworking/plugins/plugins/main/ptp",
 		"github.com/containernetworking/plugins/plugins/ipam/host-local",
 	} {
-		build := exec.Command("go", "build", "-o", filepath.Join(dir, filepath.Base(pkg)), pkg)
+		name := filepath.Base(pkg)
+		if name == "sweeper" {
+			name = "podfence-sweeper"
+		}
+		build := exec.Command("go", "build", "-o", filepath.Join(dir, name), pkg)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0") // static, as make build makes it
-		if raceDetector && strings.HasSuffix(pkg, "/podfence") {
+		if raceDetector && (strings.HasSuffix(pkg, "/podfence") || strings.HasSuffix(pkg, "/sweeper")) {
 			build.Args = append(build.Args[:2], append([]string{"-race"}, build.Args[2:]...)...)
 			build.Env = append(os.Environ(), "CGO_ENABLED=1") // -race needs cgo
 		}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"fmt"
 	"math/rand/v2"
+	"net/netip"
 	"os"
 	"strings"
 	"sync"
@@ -68,7 +69,8 @@ func concurrentAddDel(t *testing.T, mode string, seed uint64) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	slots := c.newSlots(raceReplicas)
+	all := c.newSlots(raceReplicas + 1)
+	slots, bystander := all[:raceReplicas], all[raceReplicas]
 	t.Logf("%d sandboxes ready after %v", len(slots), time.Since(start).Round(time.Millisecond))
 
 	replicas := make([]*raceReplica, raceReplicas)
@@ -76,6 +78,15 @@ func concurrentAddDel(t *testing.T, mode string, seed uint64) {
 		replicas[i] = &raceReplica{name: names[i], slot: slots[i]}
 	}
 	exp := newExpected(slots)
+	// A bystander with a live connection: no sweep may delete its entry.
+	if err := c.exec(invocation{command: "ADD", containerID: "bystander", pod: "db-0", slot: bystander}); err != nil {
+		t.Fatal(err)
+	}
+	exp.join("db-0@default", "bystander", bystander)
+	bystanderFlow := [2]netip.AddrPort{netip.AddrPortFrom(bystander.addr.Addr(), 40000), netip.MustParseAddrPort("10.99.0.1:443")}
+	bystanderEntry := c.writeEntry(t, bystanderFlow[0], bystanderFlow[1], bystander.veth.HostIndex)
+	c.conntrackInsert(t, bystanderFlow[0], bystanderFlow[1])
+	sweeps := 0
 	var seen kernelObjects // of the identifier's pins since it was last empty
 	calls := 0
 	perKind := map[roundKind]int{}
@@ -120,6 +131,27 @@ func concurrentAddDel(t *testing.T, mode string, seed uint64) {
 		var wg sync.WaitGroup
 		var mu sync.Mutex
 		var failed []error
+		// The sweeper passes in a loop meanwhile, removing orphans at
+		// once: it takes the identifier's lock like the plugin.
+		stopSweeps := make(chan struct{})
+		sweepsDone := make(chan struct{})
+		go func() {
+			defer close(sweepsDone)
+			for {
+				select {
+				case <-stopSweeps:
+					return
+				default:
+				}
+				_, err := c.sweeper(t, "sweep", "--json", "--pin-root", c.pinRoot, "--grace", "1ms", "--orphan-grace", "0")
+				mu.Lock()
+				sweeps++
+				if err != nil {
+					failed = append(failed, err)
+				}
+				mu.Unlock()
+			}
+		}()
 		run := func(ops []raceOp) {
 			wg.Add(1)
 			go func() {
@@ -163,6 +195,11 @@ func concurrentAddDel(t *testing.T, mode string, seed uint64) {
 			}
 		}
 		wg.Wait()
+		close(stopSweeps)
+		<-sweepsDone
+		if !c.hasEntry(t, bystanderEntry) {
+			t.Errorf("round %d: a sweep deleted the live entry of a bystander", round)
+		}
 		perKind[kind] += calls - before
 		kindTime[kind] += time.Since(roundStart)
 		for _, err := range failed {
@@ -197,7 +234,7 @@ func concurrentAddDel(t *testing.T, mode string, seed uint64) {
 	for _, k := range []roundKind{roundBurst, roundChurn, roundFlap, roundDrain} {
 		kinds = append(kinds, fmt.Sprintf("%s %d in %v", k, perKind[k], kindTime[k].Round(time.Millisecond)))
 	}
-	t.Logf("%d calls in %d rounds (%s), %v", calls, raceRounds, strings.Join(kinds, ", "), time.Since(start).Round(time.Millisecond))
+	t.Logf("%d calls in %d rounds (%s), %d sweeps meanwhile, %v", calls, raceRounds, strings.Join(kinds, ", "), sweeps, time.Since(start).Round(time.Millisecond))
 }
 
 // roundKind is the shape of a round's calls.

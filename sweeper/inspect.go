@@ -1,0 +1,395 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/lifecycle"
+	"github.com/podfence/podfence/pkg/liveness"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/sweep"
+)
+
+// identifierView is one identifier as ls shows it.
+type identifierView struct {
+	ID         podid.ID     `json:"identifier"`
+	Generation uint32       `json:"generation"`
+	Mode       string       `json:"mode"`
+	Isolated   []string     `json:"isolated"`
+	Allowed    uint64       `json:"allowed_packets"`
+	Denied     uint64       `json:"denied_packets"`
+	Members    []memberView `json:"members"`
+	Unreadable []string     `json:"unreadable_members,omitempty"`
+	Error      string       `json:"error,omitempty"`
+}
+
+type memberView struct {
+	ContainerID string   `json:"container_id"`
+	IfName      string   `json:"ifname"`
+	HostVeth    string   `json:"host_veth"`
+	HostIfindex int      `json:"host_ifindex"`
+	IPs         []string `json:"ips"`
+	AttachMode  string   `json:"attach_mode"`
+	VethPresent bool     `json:"veth_present"`
+	// Attached: both of the identifier's programs are on the veth.
+	Attached bool `json:"attached"`
+}
+
+func cmdLs(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("ls", stderr, &c, false)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := checkPinRoot(c.pinRoot, false); err != nil {
+		return err
+	}
+	views, err := listIdentifiers(c.pinRoot)
+	if err != nil {
+		return err
+	}
+	if c.json {
+		return writeJSON(stdout, views)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "IDENTIFIER\tGEN\tMODE\tISOLATED\tALLOWED\tDENIED\tCONTAINER\tVETH\tIFINDEX\tATTACH\tPROGRAMS\tIPS")
+	for _, v := range views {
+		iso := strings.Join(v.Isolated, ",")
+		if iso == "" {
+			iso = "-"
+		}
+		head := fmt.Sprintf("%s\t%d\t%s\t%s\t%d\t%d", v.ID, v.Generation, v.Mode, iso, v.Allowed, v.Denied)
+		if v.Error != "" {
+			fmt.Fprintf(tw, "%s\t(%s)\n", head, v.Error)
+		}
+		if len(v.Members) == 0 && v.Error == "" {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t-\t-\t-\n", head)
+		}
+		for _, m := range v.Members {
+			progs := "attached"
+			switch {
+			case !m.VethPresent:
+				progs = "veth gone"
+			case !m.Attached:
+				progs = "MISSING"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", head, shortID(m.ContainerID), m.HostVeth, m.HostIfindex, m.AttachMode, progs, strings.Join(m.IPs, ","))
+		}
+		for _, key := range v.Unreadable {
+			fmt.Fprintf(tw, "%s\t%s\t(unreadable record)\t-\t-\t-\t-\n", head, key)
+		}
+	}
+	return tw.Flush()
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+// listIdentifiers reads every identifier and its members, under each
+// identifier's lock, so that a member half-added is never shown.
+func listIdentifiers(pinRoot string) ([]identifierView, error) {
+	store := membership.New(pinRoot)
+	ids, err := store.Identifiers()
+	if err != nil {
+		return nil, err
+	}
+	views := []identifierView{}
+	for _, id := range ids {
+		v := identifierView{ID: id, Members: []memberView{}, Isolated: []string{}}
+		info, err := bpf.InspectIdentifier(pinRoot, id)
+		if err != nil {
+			v.Error = err.Error()
+		} else {
+			v.Generation, v.Mode = info.Generation, string(info.Mode)
+			for d, name := range []string{"ingress", "egress"} {
+				if info.Isolated[d] {
+					v.Isolated = append(v.Isolated, name)
+				}
+			}
+			v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()
+		}
+		lock, err := store.Lock(id, false)
+		if errors.Is(err, membership.ErrNoIdentifier) {
+			continue // its last member left meanwhile
+		}
+		if err != nil {
+			return nil, err
+		}
+		sc, err := lock.Scan()
+		lock.Unlock()
+		if err != nil {
+			return nil, err
+		}
+		v.Unreadable = sc.Unreadable
+		for _, m := range sc.Members {
+			mv := memberView{ContainerID: m.ContainerID, IfName: m.IfName, HostVeth: m.HostVeth,
+				HostIfindex: m.HostIfindex, AttachMode: m.AttachMode, IPs: []string{}}
+			for _, p := range m.IPs {
+				mv.IPs = append(mv.IPs, p.String())
+			}
+			mv.VethPresent, _ = lifecycle.VethPresent(m)
+			if mv.VethPresent && info.Ingress != 0 {
+				mv.Attached = attached(m.HostIfindex, attach.HookEgress, info.Ingress) &&
+					attached(m.HostIfindex, attach.HookIngress, info.Egress)
+			}
+			v.Members = append(v.Members, mv)
+		}
+		views = append(views, v)
+	}
+	return views, nil
+}
+
+func attached(ifindex int, h attach.Hook, want ebpf.ProgramID) bool {
+	ids, err := attach.Attached(ifindex, h)
+	return err == nil && slices.Contains(ids, want)
+}
+
+// entryView is one conntrack entry as dump and sweep show it.
+type entryView struct {
+	Family     int    `json:"family"`
+	Proto      string `json:"proto"`
+	Pod        string `json:"pod"` // the owner: address and port
+	Peer       string `json:"peer"`
+	Ifindex    uint32 `json:"ifindex"`
+	Owner      string `json:"owner,omitempty"` // identifier and container of the veth
+	AgeSeconds string `json:"age"`
+	Generation uint32 `json:"generation"`
+	Flags      string `json:"flags"`
+	Decision   string `json:"decision,omitempty"`
+	Reason     string `json:"reason,omitempty"`
+}
+
+// owners maps host ifindexes to "identifier/container".
+func owners(pinRoot string) map[uint32]string {
+	out := map[uint32]string{}
+	views, err := listIdentifiers(pinRoot)
+	if err != nil {
+		return out
+	}
+	for _, v := range views {
+		for _, m := range v.Members {
+			out[uint32(m.HostIfindex)] = string(v.ID) + "/" + shortID(m.ContainerID)
+		}
+	}
+	return out
+}
+
+func viewEntry(e *bpf.CTEntry, now time.Duration, own map[uint32]string) entryView {
+	flags := []string{}
+	if e.Value.Flags&bpf.CTEgress != 0 {
+		flags = append(flags, "pod-opened")
+	} else {
+		flags = append(flags, "peer-opened")
+	}
+	if e.Value.Flags&bpf.CTNode != 0 {
+		flags = append(flags, "node")
+	}
+	return entryView{
+		Family:     int(e.Key.Family),
+		Proto:      liveness.ProtoName(e.Key.Proto),
+		Pod:        e.Key.SrcAddrPort().String(),
+		Peer:       e.Key.DstAddrPort().String(),
+		Ifindex:    e.Ifindex,
+		Owner:      own[e.Ifindex],
+		AgeSeconds: fmt.Sprintf("%.1fs", (now - e.LastSeen()).Seconds()),
+		Generation: e.Value.Generation,
+		Flags:      strings.Join(flags, ","),
+	}
+}
+
+func cmdDumpConntrack(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("dump conntrack", stderr, &c, false)
+	pod := fs.String("pod", "", "only entries whose owner's identifier or container ID starts with this")
+	addr := fs.String("addr", "", "only entries with this address on either side")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	var want netip.Addr
+	if *addr != "" {
+		a, err := netip.ParseAddr(*addr)
+		if err != nil {
+			return usageError{fmt.Errorf("--addr: %w", err)}
+		}
+		want = a.Unmap()
+	}
+	g, err := openGlobal(&c, false)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	own := owners(c.pinRoot)
+	now := sweep.Monotonic()
+	views := []entryView{}
+	err = g.ScanConntrack(func(batch []bpf.CTEntry) error {
+		for i := range batch {
+			e := &batch[i]
+			if want.IsValid() && e.Key.SrcAddrPort().Addr() != want && e.Key.DstAddrPort().Addr() != want {
+				continue
+			}
+			v := viewEntry(e, now, own)
+			if *pod != "" && !ownerMatches(v.Owner, *pod) {
+				continue
+			}
+			views = append(views, v)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if c.json {
+		return writeJSON(stdout, views)
+	}
+	return writeEntries(stdout, views, false)
+}
+
+// ownerMatches: "identifier/container" against a prefix of either part.
+func ownerMatches(owner, prefix string) bool {
+	id, ctr, _ := strings.Cut(owner, "/")
+	return owner != "" && (strings.HasPrefix(id, prefix) || strings.HasPrefix(ctr, prefix))
+}
+
+func writeEntries(w io.Writer, views []entryView, decisions bool) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	head := "PROTO\tPOD\tPEER\tIFINDEX\tOWNER\tAGE\tGEN\tFLAGS"
+	if decisions {
+		head += "\tDECISION\tREASON"
+	}
+	fmt.Fprintln(tw, head)
+	for _, v := range views {
+		owner := v.Owner
+		if owner == "" {
+			owner = "-"
+		}
+		line := fmt.Sprintf("%s\t%s\t%s\t%d\t%s\t%s\t%d\t%s", v.Proto, v.Pod, v.Peer, v.Ifindex, owner, v.AgeSeconds, v.Generation, v.Flags)
+		if decisions {
+			line += "\t" + v.Decision + "\t" + v.Reason
+		}
+		fmt.Fprintln(tw, line)
+	}
+	return tw.Flush()
+}
+
+// sweepView is sweep's output.
+type sweepView struct {
+	DurationMS  float64        `json:"duration_ms"`
+	KernelFlows int            `json:"kernel_flows"`
+	Scanned     int            `json:"scanned"`
+	Kept        map[string]int `json:"kept"`
+	Deleted     map[string]int `json:"deleted"`
+	Fill        [2]float64     `json:"fill"`
+	Orphans     []orphanView   `json:"orphans_removed"`
+	Entries     []entryView    `json:"entries"`
+}
+
+type orphanView struct {
+	Identifier        podid.ID `json:"identifier"`
+	ContainerID       string   `json:"container_id"`
+	HostVeth          string   `json:"host_veth"`
+	IdentifierRemoved bool     `json:"identifier_removed"`
+}
+
+func cmdSweep(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("sweep", stderr, &c, true)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	g, err := openGlobal(&c, false)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: orphanGraceOnce(c.orphanGrace), Record: true, Log: discardLog()})
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	own := owners(c.pinRoot) // before the pass: an orphan's entries still name it
+	rep, err := s.Pass()
+	if err != nil {
+		return err
+	}
+	now := sweep.Monotonic()
+	v := sweepView{
+		DurationMS: float64(rep.Duration.Microseconds()) / 1000, KernelFlows: rep.KernelFlows, Scanned: rep.Scanned,
+		Kept: map[string]int{}, Deleted: map[string]int{}, Fill: rep.Fill, Orphans: []orphanView{}, Entries: []entryView{},
+	}
+	for r, n := range rep.Count {
+		reason := liveness.Reason(r)
+		if reason.Delete() {
+			v.Deleted[reason.String()] = n
+		} else {
+			v.Kept[reason.String()] = n
+		}
+	}
+	for _, o := range rep.Orphans {
+		v.Orphans = append(v.Orphans, orphanView{o.ID, o.Member.ContainerID, o.Member.HostVeth, o.Identifier})
+	}
+	for _, d := range rep.Decisions {
+		ev := viewEntry(&d.Entry, now, own)
+		ev.Decision = "kept"
+		if d.Reason.Delete() {
+			ev.Decision = "deleted"
+		}
+		ev.Reason = d.Reason.String()
+		v.Entries = append(v.Entries, ev)
+	}
+	if c.json {
+		return writeJSON(stdout, v)
+	}
+	fmt.Fprintf(stdout, "pass: %.1f ms, %d kernel flows, %d entries scanned, conntrack maps %.1f%% (v4) and %.1f%% (v6) full\n",
+		v.DurationMS, v.KernelFlows, v.Scanned, 100*v.Fill[0], 100*v.Fill[1])
+	fmt.Fprintf(stdout, "kept: %s\ndeleted: %s\n", counts(v.Kept), counts(v.Deleted))
+	for _, o := range v.Orphans {
+		fmt.Fprintf(stdout, "removed orphan: %s container %s (veth %s gone)%s\n", o.Identifier, shortID(o.ContainerID), o.HostVeth,
+			map[bool]string{true: ", and the identifier's pins", false: ""}[o.IdentifierRemoved])
+	}
+	if len(v.Entries) > 0 {
+		fmt.Fprintln(stdout)
+		return writeEntries(stdout, v.Entries, true)
+	}
+	return nil
+}
+
+// orphanGraceOnce: one sweep has no memory of when a veth went, so the
+// grace counts from now unless it is 0 (remove at once).
+func orphanGraceOnce(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}
+
+func counts(m map[string]int) string {
+	var parts []string
+	for _, r := range []liveness.Reason{liveness.KeptRecent, liveness.KeptGrace, liveness.KeptLive, liveness.DeletedGone, liveness.DeletedDead} {
+		if n, ok := m[r.String()]; ok {
+			parts = append(parts, fmt.Sprintf("%d %s", n, r))
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}

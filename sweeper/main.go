@@ -1,0 +1,181 @@
+// Command podfence-sweeper is podfence's node agent and inspection tool.
+// As a DaemonSet (run) it keeps the eBPF conntrack maps in step with the
+// kernel's conntrack table and removes what pods that vanished without a
+// DEL left behind; as a command it shows what the node is doing.
+//
+//	podfence-sweeper run            the DaemonSet loop: passes, destroy events, metrics
+//	podfence-sweeper sweep          one pass; prints what it kept and deleted, and why
+//	podfence-sweeper ls             identifiers, members, veths, programs, counters
+//	podfence-sweeper dump conntrack the eBPF conntrack entries, with their owners
+//
+// Every command takes --pin-root (default /sys/fs/bpf/podfence) and --json.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/sweep"
+)
+
+const usage = `usage: podfence-sweeper <command> [flags]
+
+commands:
+  run              the DaemonSet loop: reconcile, follow destroy events, serve metrics
+  sweep            one reconciliation pass; prints what it kept and deleted, and why
+  ls               identifiers, their members and host veths, programs, counters
+  dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
+
+Run "podfence-sweeper <command> -h" for a command's flags.
+`
+
+func main() {
+	os.Exit(runMain(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// runMain is main with its streams, for tests: 0 success, 1 failure, 2 usage.
+func runMain(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	var err error
+	switch cmd, rest := args[0], args[1:]; cmd {
+	case "run":
+		err = cmdRun(rest, stdout, stderr)
+	case "sweep":
+		err = cmdSweep(rest, stdout, stderr)
+	case "ls":
+		err = cmdLs(rest, stdout, stderr)
+	case "dump":
+		if len(rest) == 0 || rest[0] != "conntrack" {
+			fmt.Fprintf(stderr, "podfence-sweeper dump: say what to dump: dump conntrack\n")
+			return 2
+		}
+		err = cmdDumpConntrack(rest[1:], stdout, stderr)
+	case "-h", "-help", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	default:
+		fmt.Fprintf(stderr, "podfence-sweeper: unknown command %q\n\n%s", cmd, usage)
+		return 2
+	}
+	var ue usageError
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, &ue):
+		fmt.Fprintf(stderr, "podfence-sweeper %s: %v\n", args[0], ue.err)
+		return 2
+	default:
+		fmt.Fprintf(stderr, "podfence-sweeper %s: %v\n", args[0], err)
+		return 1
+	}
+}
+
+// usageError is a bad command line (exit status 2).
+type usageError struct{ err error }
+
+func (u usageError) Error() string { return u.err.Error() }
+
+// common are the flags every command takes.
+type common struct {
+	pinRoot     string
+	json        bool
+	ctV4, ctV6  uint
+	grace       time.Duration
+	orphanGrace time.Duration
+}
+
+func newFlags(name string, stderr io.Writer, c *common, sweepFlags bool) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.pinRoot, "pin-root", pinpath.DefaultRoot, "bpffs directory of podfence's pins (the plugin's pinRoot)")
+	fs.BoolVar(&c.json, "json", false, "machine-readable output")
+	fs.UintVar(&c.ctV4, "ct-v4-entries", bpf.DefaultCTv4Entries, "capacity of the IPv4 conntrack map: the plugin's ctV4Entries")
+	fs.UintVar(&c.ctV6, "ct-v6-entries", bpf.DefaultCTv6Entries, "capacity of the IPv6 conntrack map: the plugin's ctV6Entries")
+	if sweepFlags {
+		fs.DurationVar(&c.grace, "grace", sweep.DefaultGrace, "keep an entry seen this recently, whatever the kernel table says")
+		fs.DurationVar(&c.orphanGrace, "orphan-grace", sweep.DefaultOrphanGrace, "remove a member once its veth has been gone this long (0: at once)")
+	}
+	return fs
+}
+
+// parse parses args, refusing positional arguments.
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err}
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Errorf("unexpected arguments %q", fs.Args())}
+	}
+	return nil
+}
+
+func (c *common) globalOptions() (bpf.GlobalOptions, error) {
+	for flag, n := range map[string]uint{"--ct-v4-entries": c.ctV4, "--ct-v6-entries": c.ctV6} {
+		if n > bpf.MaxCTEntries {
+			return bpf.GlobalOptions{}, usageError{fmt.Errorf("%s: conntrack table size %d is above %d", flag, n, bpf.MaxCTEntries)}
+		}
+		if err := bpf.CheckCTEntries(uint32(n)); err != nil {
+			return bpf.GlobalOptions{}, usageError{fmt.Errorf("%s: %w", flag, err)}
+		}
+	}
+	return bpf.GlobalOptions{CTv4Entries: uint32(c.ctV4), CTv6Entries: uint32(c.ctV6)}, nil
+}
+
+// checkPinRoot refuses a pin root that is missing or not on bpffs, with
+// what to do about it. create makes a missing one (run: the sweeper may
+// start before the node's first pod).
+func checkPinRoot(root string, create bool) error {
+	if create {
+		if err := os.MkdirAll(root, 0o700); err != nil {
+			return fmt.Errorf("pin root %s: %w", root, err)
+		}
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(root, &st); errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("pin root %s does not exist: no pod has been added on this node, or --pin-root differs from the plugin's pinRoot", root)
+	} else if err != nil {
+		return fmt.Errorf("pin root %s: %w", root, err)
+	}
+	if st.Type != unix.BPF_FS_MAGIC {
+		return fmt.Errorf("pin root %s is not on bpffs (mount -t bpf bpf /sys/fs/bpf)", root)
+	}
+	return nil
+}
+
+// openGlobal opens the node's maps. Without create, a pin root whose
+// global maps were never made is an error rather than a reason to make them.
+func openGlobal(c *common, create bool) (*bpf.Global, error) {
+	opts, err := c.globalOptions()
+	if err != nil {
+		return nil, err
+	}
+	if err := checkPinRoot(c.pinRoot, create); err != nil {
+		return nil, err
+	}
+	if !create {
+		if _, err := os.Stat(pinpath.Root(c.pinRoot).Global()); err != nil {
+			return nil, fmt.Errorf("no global maps in %s: no pod has been added on this node yet", c.pinRoot)
+		}
+	}
+	g, err := bpf.OpenGlobalWith(c.pinRoot, opts)
+	if err != nil {
+		return nil, fmt.Errorf("open the node's maps: %w", err)
+	}
+	return g, nil
+}

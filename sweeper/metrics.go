@@ -1,0 +1,103 @@
+package main
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/liveness"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/sweep"
+)
+
+// metrics are the run loop's Prometheus series.
+type metrics struct {
+	passDuration  prometheus.Histogram
+	passErrors    prometheus.Counter
+	scanned       prometheus.Counter
+	entries       *prometheus.CounterVec // by decision and reason
+	fill          *prometheus.GaugeVec   // by family
+	events        prometheus.Counter
+	eventsLost    prometheus.Counter
+	eventDeletes  prometheus.Counter
+	orphans       prometheus.Counter
+	nodeAddrSyncs prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
+	m := &metrics{
+		passDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "podfence_sweep_pass_duration_seconds", Help: "Duration of full reconciliation passes.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+		}),
+		passErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_sweep_pass_errors_total", Help: "Passes that failed (nothing is deleted after a failure to read the kernel or the members)."}),
+		scanned: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_sweep_entries_scanned_total", Help: "eBPF conntrack entries read by passes."}),
+		entries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "podfence_sweep_entries_total", Help: "eBPF conntrack entries by what a pass decided and why."}, []string{"decision", "reason"}),
+		fill: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "podfence_conntrack_fill_ratio", Help: "Occupancy of the eBPF conntrack maps at the last pass (0 to 1)."}, []string{"family"}),
+		events: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_conntrack_destroy_events_total", Help: "Kernel conntrack destroy events followed."}),
+		eventsLost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_conntrack_destroy_events_lost_total", Help: "Times destroy events were lost (ENOBUFS); each triggers a full pass."}),
+		eventDeletes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_conntrack_event_deletes_total", Help: "eBPF conntrack entries deleted on destroy events."}),
+		orphans: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_orphans_removed_total", Help: "Members removed because their veth was gone."}),
+		nodeAddrSyncs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_node_address_syncs_total", Help: "Times the node's addresses were written after they changed."}),
+	}
+	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
+		m.eventDeletes, m.orphans, m.nodeAddrSyncs, &packetCollector{pinRoot: pinRoot})
+	// Every reason appears from the start, at 0.
+	for r := range liveness.DeletedDead + 1 {
+		m.entries.WithLabelValues(decision(r), r.String())
+	}
+	return m
+}
+
+func decision(r liveness.Reason) string {
+	if r.Delete() {
+		return "deleted"
+	}
+	return "kept"
+}
+
+func (m *metrics) pass(rep sweep.Report, err error) {
+	if err != nil {
+		m.passErrors.Inc()
+	}
+	m.passDuration.Observe(rep.Duration.Seconds())
+	m.scanned.Add(float64(rep.Scanned))
+	for r, n := range rep.Count {
+		m.entries.WithLabelValues(decision(liveness.Reason(r)), liveness.Reason(r).String()).Add(float64(n))
+	}
+	m.fill.WithLabelValues("ipv4").Set(rep.Fill[0])
+	m.fill.WithLabelValues("ipv6").Set(rep.Fill[1])
+	m.orphans.Add(float64(len(rep.Orphans)))
+}
+
+// packetCollector reports the datapath's per-identifier counters at
+// scrape time: they are the kernel's, not the sweeper's.
+type packetCollector struct{ pinRoot string }
+
+var packetsDesc = prometheus.NewDesc("podfence_identifier_packets_total",
+	"Packets the identifier's programs judged, by verdict.", []string{"identifier", "verdict"}, nil)
+
+func (c *packetCollector) Describe(ch chan<- *prometheus.Desc) { ch <- packetsDesc }
+
+func (c *packetCollector) Collect(ch chan<- prometheus.Metric) {
+	ids, err := membership.New(c.pinRoot).Identifiers()
+	if err != nil {
+		return
+	}
+	for _, id := range ids {
+		info, err := bpf.InspectIdentifier(c.pinRoot, id)
+		if err != nil {
+			continue // being created or removed
+		}
+		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Allowed()), string(id), "allowed")
+		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Denied()), string(id), "denied")
+	}
+}

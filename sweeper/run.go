@@ -1,0 +1,233 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/ctnetlink"
+	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/sweep"
+)
+
+// fillWarn is the occupancy past which an LRU map starts evicting live flows.
+const fillWarn = 0.9
+
+func discardLog() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+func cmdRun(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("run", stderr, &c, true)
+	metricsAddr := fs.String("metrics-addr", ":9465", "address of /metrics and /healthz (empty: none)")
+	minInterval := fs.Duration("interval-min", sweep.DefaultInterval.Min, "shortest time between full passes")
+	maxInterval := fs.Duration("interval-max", sweep.DefaultInterval.Max, "longest time between full passes")
+	policyDir := fs.String("policy-dir", "/etc/podfence/policies", "the plugin's policyDir: read again when the node's addresses change")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
+		return usageError{fmt.Errorf("--log-level: %w", err)}
+	}
+	if *minInterval <= 0 || *maxInterval < *minInterval {
+		return usageError{fmt.Errorf("--interval-min %v and --interval-max %v: need 0 < min <= max", *minInterval, *maxInterval)}
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+
+	g, err := openGlobal(&c, true)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Log: log})
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	r := &runner{
+		s: s, g: g, log: log, pinRoot: c.pinRoot, policyDir: *policyDir,
+		interval: sweep.Interval{Min: *minInterval, Max: *maxInterval},
+		wake:     make(chan struct{}, 1),
+	}
+	reg := prometheus.NewRegistry()
+	r.m = newMetrics(reg, c.pinRoot)
+	if *metricsAddr != "" {
+		srv, err := r.serve(*metricsAddr, reg)
+		if err != nil {
+			return err
+		}
+		defer srv.Shutdown(context.Background()) //nolint:errcheck // exiting
+	}
+	return r.loop(ctx)
+}
+
+// runner is the DaemonSet loop's state.
+type runner struct {
+	s         *sweep.Sweeper
+	g         *bpf.Global
+	m         *metrics
+	log       *slog.Logger
+	pinRoot   string
+	policyDir string
+	interval  sweep.Interval
+	healthy   atomic.Bool
+	wake      chan struct{} // a full pass is wanted now (lost events)
+}
+
+func (r *runner) serve(addr string, reg *prometheus.Registry) (*http.Server, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if !r.healthy.Load() {
+			http.Error(w, "not ready: the last pass failed or none has run", http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(ln) //nolint:errcheck // ends with Shutdown
+	r.log.Info("serving metrics", "addr", ln.Addr().String())
+	return srv, nil
+}
+
+func (r *runner) loop(ctx context.Context) error {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+
+	ev, err := ctnetlink.OpenEvents()
+	if err != nil {
+		return fmt.Errorf("follow conntrack events: %w", err)
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		err := r.s.Follow(ev, func(er sweep.EventReport) {
+			r.m.events.Add(float64(er.Events))
+			r.m.eventDeletes.Add(float64(er.Deleted))
+			if er.Lost {
+				r.m.eventsLost.Inc()
+				r.log.Warn("conntrack destroy events lost: running a full pass")
+				select {
+				case r.wake <- struct{}{}:
+				default:
+				}
+			}
+		})
+		if err != nil && ctx.Err() == nil {
+			r.log.Error("following conntrack events stopped; passes continue", "error", err)
+		}
+	}()
+	defer ev.Close() // before wg.Wait: unblocks Follow
+
+	done := make(chan struct{})
+	defer close(done)
+	addrs, err := nodeaddr.Watch(done)
+	if err != nil {
+		return err
+	}
+	r.syncNodeAddrs()
+
+	wait := r.interval.Min
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			// A pass is never interrupted: this select runs between them.
+			r.log.Info("stopping", "reason", context.Cause(ctx))
+			return nil
+		case <-addrs:
+			r.syncNodeAddrs()
+			continue
+		case <-r.wake:
+		case <-timer.C:
+		}
+		rep, err := r.s.Pass()
+		r.m.pass(rep, err)
+		r.healthy.Store(err == nil)
+		if err != nil {
+			r.log.Error("pass failed: nothing deleted after the failure", "error", err)
+		} else {
+			r.logPass(rep)
+		}
+		fill := max(rep.Fill[0], rep.Fill[1])
+		wait = r.interval.Next(wait, fill, rep.Deleted, rep.Scanned)
+		if !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+		timer.Reset(wait)
+	}
+}
+
+func (r *runner) logPass(rep sweep.Report) {
+	attrs := []any{"duration_ms", rep.Duration.Milliseconds(), "kernel_flows", rep.KernelFlows,
+		"scanned", rep.Scanned, "deleted", rep.Deleted, "orphans", len(rep.Orphans),
+		"fill_v4", rep.Fill[0], "fill_v6", rep.Fill[1]}
+	r.log.Debug("pass", attrs...)
+	for fam, f := range rep.Fill {
+		if f > fillWarn {
+			r.log.Warn("conntrack map nearly full: the datapath evicts flows; raise ctV4Entries/ctV6Entries and --ct-v4-entries/--ct-v6-entries",
+				"family", []string{"ipv4", "ipv6"}[fam], "fill", f)
+		}
+	}
+}
+
+// syncNodeAddrs writes the node's addresses and, when they changed,
+// reprograms every identifier so its tries allow the new ones.
+func (r *runner) syncNodeAddrs() {
+	before, _ := r.g.NodeAddresses()
+	if err := r.g.SyncNodeAddrs(nodeaddr.List); err != nil {
+		r.log.Error("write the node's addresses", "error", err)
+		return
+	}
+	after, _ := r.g.NodeAddresses()
+	if sameAddrs(before, after) {
+		return
+	}
+	r.m.nodeAddrSyncs.Inc()
+	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", n)
+	if err != nil {
+		r.log.Error("reprogram identifiers for the node's addresses", "error", err)
+	}
+}
+
+func sameAddrs[T comparable](a, b []T) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	set := make(map[T]bool, len(a))
+	for _, x := range a {
+		set[x] = true
+	}
+	for _, x := range b {
+		if !set[x] {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,137 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// runSweeper starts `podfence-sweeper run` in the node namespace. Its
+// metrics listen on the node namespace's loopback.
+func (c *cluster) runSweeper(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
+	all := append([]string{"run", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--metrics-addr", "127.0.0.1:9465"}, args...)
+	cmd := exec.Command(filepath.Join(binDir, "podfence-sweeper"), all...)
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := c.inNode(cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+		if t.Failed() {
+			t.Logf("sweeper log:\n%s", logs.String())
+		}
+	})
+	return cmd, &logs
+}
+
+// get fetches path from the sweeper's metrics server in the node namespace
+// (a dial from this goroutine's locked thread, which net/http would not do).
+func (c *cluster) get(path string) (string, error) {
+	var body []byte
+	err := c.inNode(func() error {
+		conn, err := net.DialTimeout("tcp", "127.0.0.1:9465", time.Second)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(5 * time.Second))
+		fmt.Fprintf(conn, "GET %s HTTP/1.0\r\n\r\n", path)
+		body, err = io.ReadAll(conn)
+		return err
+	})
+	return string(body), err
+}
+
+// waitHealthy polls /healthz until it answers 200.
+func (c *cluster) waitHealthy(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := c.get("/healthz")
+		if err == nil && strings.HasPrefix(resp, "HTTP/1.0 200") {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/healthz not ready after 30s: %q, %v", resp, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// metric returns the value of the series whose line starts with series.
+func metric(t *testing.T, page, series string) string {
+	t.Helper()
+	for _, line := range strings.Split(page, "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			return v
+		}
+	}
+	t.Fatalf("no series %s in:\n%s", series, page)
+	return ""
+}
+
+// TestSweeperRunFollowsDestroyEvents: with `run` going and no pass due, a
+// kernel flow's destruction deletes its entry within a second. The service
+// reports ready, exports what it did, and exits cleanly on SIGTERM.
+func TestSweeperRunFollowsDestroyEvents(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	p := c.addPod(webReplicas[0], "default")
+	ifindex := lcIfindex(t, c, p.hostVeth)
+	src := netip.AddrPortFrom(p.ip, 40100)
+	peer := netip.MustParseAddrPort("10.99.0.1:443")
+	cmd, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--grace", "1ms")
+	c.waitHealthy(t)
+	// The kernel sends destroy events only for flows created while someone
+	// listens (nf_conntrack_events=2): the flow comes after the sweeper.
+	e := c.writeEntry(t, src, peer, ifindex)
+	c.conntrackInsert(t, src, peer)
+
+	c.conntrackDelete(t, "-p", "tcp", "--orig-src", p.ip.String(), "--sport", "40100")
+	destroyed := time.Now()
+	for c.hasEntry(t, e) {
+		if time.Since(destroyed) > time.Second {
+			t.Fatalf("the entry is still there %v after its kernel flow's destruction", time.Since(destroyed))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("entry deleted %v after conntrack -D returned", time.Since(destroyed))
+
+	page, err := c.get("/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := metric(t, page, "podfence_sweep_pass_duration_seconds_count"); got != "1" {
+		t.Errorf("%s passes ran, want only the first: the event, not a pass, deleted the entry", got)
+	}
+	if got := metric(t, page, "podfence_conntrack_event_deletes_total"); got != "1" {
+		t.Errorf("event deletes %s, want 1", got)
+	}
+	metric(t, page, `podfence_conntrack_fill_ratio{family="ipv4"}`)
+
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v\n%s", err, logs)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no exit 10s after SIGTERM")
+	}
+}

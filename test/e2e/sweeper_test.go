@@ -1,0 +1,161 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// sweepResult is what `podfence-sweeper sweep --json` prints.
+type sweepResult struct {
+	KernelFlows int            `json:"kernel_flows"`
+	Scanned     int            `json:"scanned"`
+	Kept        map[string]int `json:"kept"`
+	Deleted     map[string]int `json:"deleted"`
+	Orphans     []struct {
+		Identifier        string `json:"identifier"`
+		ContainerID       string `json:"container_id"`
+		IdentifierRemoved bool   `json:"identifier_removed"`
+	} `json:"orphans_removed"`
+	Entries []sweptEntry `json:"entries"`
+}
+
+type sweptEntry struct {
+	Proto    string `json:"proto"`
+	Pod      string `json:"pod"`
+	Peer     string `json:"peer"`
+	Ifindex  uint32 `json:"ifindex"`
+	Owner    string `json:"owner"`
+	Decision string `json:"decision"`
+	Reason   string `json:"reason"`
+}
+
+// find returns the entry of pod -> peer, if the pass saw one.
+func (r sweepResult) find(pod, peer netip.AddrPort) (sweptEntry, bool) {
+	for _, e := range r.Entries {
+		if e.Pod == pod.String() && e.Peer == peer.String() {
+			return e, true
+		}
+	}
+	return sweptEntry{}, false
+}
+
+// sweeper runs podfence-sweeper in the node namespace and returns its stdout.
+func (c *cluster) sweeper(t *testing.T, args ...string) ([]byte, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, filepath.Join(binDir, "podfence-sweeper"), args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := c.inNode(cmd.Run)
+	if err != nil {
+		return stdout.Bytes(), fmt.Errorf("podfence-sweeper %v: %w: %s", args, err, stderr.Bytes())
+	}
+	return stdout.Bytes(), nil
+}
+
+// sweep runs one pass. The grace is short so that entries are judged by
+// the kernel table, not kept for being recent.
+func (c *cluster) sweep(t *testing.T, extra ...string) sweepResult {
+	t.Helper()
+	args := append([]string{"sweep", "--json", "--pin-root", c.pinRoot, "--grace", "1ms"}, extra...)
+	out, err := c.sweeper(t, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r sweepResult
+	if err := json.Unmarshal(out, &r); err != nil {
+		t.Fatalf("sweep output: %v: %s", err, out)
+	}
+	return r
+}
+
+// conntrackDelete deletes the node's kernel flows that match the conntrack
+// tool's filter arguments.
+func (c *cluster) conntrackDelete(t *testing.T, args ...string) {
+	t.Helper()
+	cmd := exec.Command("conntrack", append([]string{"-D"}, args...)...)
+	if err := c.inNode(func() error {
+		out, err := cmd.CombinedOutput()
+		// Exit status 1 with "0 flow entries": nothing matched.
+		if err != nil && !bytes.Contains(out, []byte("flow entries have been deleted")) {
+			return fmt.Errorf("conntrack -D %v: %w: %s", args, err, out)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSweepKeepsVIPConnection is the seed's second failure made
+// impossible: pod A reaches pod B on the same node through a ClusterIP;
+// both pods are isolated and allow only that connection. The kernel holds
+// one flow, the maps two entries (A's towards the VIP, B's towards A):
+// every pass keeps both while the connection lives, and the pass after
+// the kernel flow is gone removes both.
+func TestSweepKeepsVIPConnection(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	toVIP := tcpRule(serviceVIP.String(), servicePort)
+	c.writePolicy("client", egressOnly("client", toVIP))
+	client := c.addPod("client", "default")
+	c.writePolicy("web", backendPolicy(client.ip, backendPort))
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
+	routeLikeCluster(t, client.netns, serviceVIP)
+
+	conn, err := dialEcho(client.netns)
+	if err != nil {
+		t.Fatalf("client to the VIP: %v", err)
+	}
+	defer conn.Close()
+	if err := conn.roundTrip("hello"); err != nil {
+		t.Fatal(err)
+	}
+	local := netip.MustParseAddrPort(conn.LocalAddr().String())
+	vip := netip.AddrPortFrom(serviceVIP.Addr(), servicePort)
+	backend := netip.AddrPortFrom(web.ip, backendPort)
+
+	for pass := range 10 {
+		time.Sleep(150 * time.Millisecond) // the entries are older than the pass
+		r := c.sweep(t)
+		a, okA := r.find(local, vip)
+		b, okB := r.find(backend, local)
+		if !okA || !okB {
+			t.Fatalf("pass %d: client's entry found %v, backend's %v; entries %+v", pass, okA, okB, r.Entries)
+		}
+		for _, e := range []sweptEntry{a, b} {
+			if e.Decision != "kept" || e.Reason != "live" {
+				t.Fatalf("pass %d: entry %s -> %s %s (%s), want kept as live", pass, e.Pod, e.Peer, e.Decision, e.Reason)
+			}
+		}
+		if err := conn.roundTrip(fmt.Sprintf("after pass %d", pass)); err != nil {
+			t.Fatalf("pass %d broke the connection: %v", pass, err)
+		}
+	}
+
+	conn.Close()
+	c.conntrackDelete(t, "-p", "tcp", "--orig-src", client.ip.String())
+	time.Sleep(150 * time.Millisecond)
+	r := c.sweep(t)
+	for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
+		got, ok := r.find(e[0], e[1])
+		if !ok || got.Decision != "deleted" || got.Reason != "no-flow" {
+			t.Errorf("entry %s -> %s after its kernel flow went: %+v (seen %v), want deleted for no-flow", e[0], e[1], got, ok)
+		}
+	}
+	if r := c.sweep(t); len(r.Entries) != 0 {
+		for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
+			if got, ok := r.find(e[0], e[1]); ok {
+				t.Errorf("entry %s -> %s still in the map after its deletion: %+v", e[0], e[1], got)
+			}
+		}
+	}
+}
