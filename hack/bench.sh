@@ -85,3 +85,39 @@ echo "$out" | awk '/^BenchmarkPlugin\/[a-z]+\// {
 		}
 	}
 }'
+
+# The sweeper (issue 10): the kernel read beside ti-mo/conntrack and a
+# reader that decodes nothing; one pass over 1,000,000 entries beside the
+# floor and the seed's method, measured in the same run; the event path.
+echo
+echo "kernel conntrack read, 100,000 flows (BenchmarkDump)"
+go test -c -o /tmp/podfence-ctnetlink.test ./pkg/ctnetlink/
+out=$(/tmp/podfence-ctnetlink.test -test.run '^$' -test.bench 'BenchmarkDump$' -test.benchtime "${DUMPS:-10}x")
+rm -f /tmp/podfence-ctnetlink.test
+echo "$out" | awk '/^BenchmarkDump\// {
+	name=$1; sub(/^BenchmarkDump\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) { if ($(i+1) == "flows/s") r[name]=$i; if ($(i+1) == "B/flow") a[name]=$i }
+}
+END {
+	for (n in r) printf "  %-16s %9d flows/s %10.4f B/flow\n", n, r[n], a[n]
+	printf "  ctnetlink / ti-mo-conntrack: %.2fx (target >= 2), of the floor: %.2f; allocated: %.4f B/flow (target <= 100)\n",
+		r["ctnetlink"] / r["ti-mo-conntrack"], r["ctnetlink"] / r["floor"], a["ctnetlink"]
+}'
+
+echo
+echo "one pass, 1,000,000 entries of which 100,000 live (BenchmarkPass)"
+go test -c -o /tmp/podfence-sweep.test ./pkg/sweep/
+out=$(/tmp/podfence-sweep.test -test.run '^$' -test.bench 'BenchmarkPass$' -test.benchtime "${PASSES:-3}x")
+echo "$out" | awk '/^BenchmarkPass/ {
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  pass %s ms, floor %s ms, seed method %s ms, %d entries/s, peak RSS %s MiB\n", v["pass-ms"], v["floor-ms"], v["seed-ms"], v["entries/s"], v["peak-RSS-MiB"]
+	printf "  pass / floor: %s (target <= 1.3); seed / pass: %s (target >= 4); peak RSS target <= 150 MiB\n", v["x-floor"], v["seed-x-slower"]
+}'
+echo
+echo "event path, destroy to deletion (BenchmarkEventPath, ${EVENTS:-5000} flows)"
+out=$(/tmp/podfence-sweep.test -test.run '^$' -test.bench 'BenchmarkEventPath$' -test.benchtime "${EVENTS:-5000}x")
+rm -f /tmp/podfence-sweep.test
+echo "$out" | awk '/^BenchmarkEventPath/ {
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  p50 %s µs, p99 %s µs\n", v["p50-µs"], v["p99-µs"]
+}'

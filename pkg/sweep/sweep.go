@@ -75,7 +75,8 @@ type Sweeper struct {
 	store *membership.Store
 	dump  *ctnetlink.Dumper
 
-	mu sync.Mutex
+	mu        sync.Mutex
+	lastFlows int // kernel flows the last pass read
 	// missingSince is when a member's veth was first seen gone.
 	missingSince map[string]time.Time
 	// owners maps a pod address to the host veths of the members that
@@ -165,7 +166,9 @@ func (s *Sweeper) Pass() (Report, error) {
 		return rep, err
 	}
 
-	kernel := make(map[liveness.Key]struct{})
+	// Sized after the last pass: growing a map of 2 keys per flow, on a
+	// node of 100,000 flows, costs a tenth of a pass.
+	kernel := make(map[liveness.Key]struct{}, 2*s.lastFlows)
 	err = s.dump.Dump(func(f *ctnetlink.Flow) error {
 		rep.KernelFlows++
 		kernel[liveness.Key(f.Orig)] = struct{}{}
@@ -175,6 +178,7 @@ func (s *Sweeper) Pass() (Report, error) {
 	if err != nil {
 		return rep, fmt.Errorf("read the kernel conntrack table: %w", err)
 	}
+	s.lastFlows = rep.KernelFlows
 	if s.opts.afterKernelRead != nil {
 		s.opts.afterKernelRead()
 	}
