@@ -87,6 +87,20 @@ var podSeq atomic.Int64
 
 func newCluster(t testing.TB, attachMode string) *cluster {
 	t.Helper()
+	return buildCluster(t, attachMode, false)
+}
+
+// newDualStackCluster is newCluster whose pods also get an IPv6 address,
+// from podRange6.
+func newDualStackCluster(t testing.TB, attachMode string) *cluster {
+	t.Helper()
+	return buildCluster(t, attachMode, true)
+}
+
+var podRange6 = netip.MustParsePrefix("fd88::/64")
+
+func buildCluster(t testing.TB, attachMode string, dualStack bool) *cluster {
+	t.Helper()
 	kernel.RequireRoot(t)
 	tmp := t.TempDir()
 	c := &cluster{
@@ -101,6 +115,17 @@ func newCluster(t testing.TB, attachMode string) *cluster {
 	if err := os.MkdirAll(c.policyDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	ranges := [][]map[string]string{{{"subnet": "10.88.0.0/16"}}}
+	if dualStack {
+		ranges = append(ranges, []map[string]string{{"subnet": podRange6.String()}})
+		// ptp gives every host veth the range's gateway address and waits
+		// for duplicate address detection in the pod only: on the node
+		// side the gateway stays tentative, unanswered, for a second or
+		// more. This namespace's interfaces skip it.
+		netnsutil.Do(t, c.node, func() error {
+			return os.WriteFile("/proc/sys/net/ipv6/conf/default/accept_dad", []byte("0"), 0o644)
+		})
+	}
 	conf := map[string]any{
 		"cniVersion": "1.0.0",
 		"name":       "podfence-e2e",
@@ -110,7 +135,7 @@ func newCluster(t testing.TB, attachMode string) *cluster {
 				"ipMasq": false,
 				"ipam": map[string]any{
 					"type":    "host-local",
-					"ranges":  [][]map[string]string{{{"subnet": "10.88.0.0/16"}}},
+					"ranges":  ranges,
 					"dataDir": filepath.Join(tmp, "ipam"),
 				},
 			},
@@ -148,6 +173,7 @@ type pod struct {
 	containerID     string
 	netns           ns.NetNS
 	ip              netip.Addr
+	ip6             netip.Addr // in a dual-stack cluster
 	hostVeth        string
 	deleted         bool
 }
@@ -204,7 +230,11 @@ func (c *cluster) tryAddPod(name, namespace string) (*pod, error) {
 		return p, err
 	}
 	for _, ipc := range res.IPs {
-		p.ip, _ = netip.AddrFromSlice(ipc.Address.IP.To4())
+		if ip4 := ipc.Address.IP.To4(); ip4 != nil {
+			p.ip, _ = netip.AddrFromSlice(ip4)
+		} else {
+			p.ip6, _ = netip.AddrFromSlice(ipc.Address.IP)
+		}
 	}
 	for _, iface := range res.Interfaces {
 		if iface.Sandbox == "" {

@@ -47,7 +47,7 @@ func dialFrom(n ns.NetNS, dst netip.AddrPort) (*echoConn, error) {
 	var conn net.Conn
 	err := n.Do(func(ns.NetNS) error {
 		var err error
-		conn, err = net.DialTimeout("tcp4", dst.String(), time.Second)
+		conn, err = net.DialTimeout("tcp", dst.String(), time.Second)
 		return err
 	})
 	if err != nil {

@@ -10,6 +10,11 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+
+	"github.com/podfence/podfence/test/netnsutil"
 )
 
 // sweepResult is what `podfence-sweeper sweep --json` prints.
@@ -94,68 +99,111 @@ func (c *cluster) conntrackDelete(t *testing.T, args ...string) {
 	}
 }
 
+// The IPv6 service of TestSweepKeepsVIPConnection.
+var serviceVIP6 = netip.MustParsePrefix("fd96::10/128")
+
 // TestSweepKeepsVIPConnection is the seed's second failure made
 // impossible: pod A reaches pod B on the same node through a ClusterIP;
 // both pods are isolated and allow only that connection. The kernel holds
 // one flow, the maps two entries (A's towards the VIP, B's towards A):
 // every pass keeps both while the connection lives, and the pass after
-// the kernel flow is gone removes both.
+// the kernel flow is gone removes both. IPv4 and IPv6 (dual-stack pods).
 func TestSweepKeepsVIPConnection(t *testing.T) {
-	c := newCluster(t, attachModes(t)[0])
-	toVIP := tcpRule(serviceVIP.String(), servicePort)
-	c.writePolicy("client", egressOnly("client", toVIP))
-	client := c.addPod("client", "default")
-	c.writePolicy("web", backendPolicy(client.ip, backendPort))
-	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
-	c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
-	routeLikeCluster(t, client.netns, serviceVIP)
-
-	conn, err := dialEcho(client.netns)
-	if err != nil {
-		t.Fatalf("client to the VIP: %v", err)
+	for _, family := range []string{"ipv4", "ipv6"} {
+		t.Run(family, func(t *testing.T) {
+			c := newDualStackCluster(t, attachModes(t)[0])
+			vipPrefix, addr := serviceVIP, func(p *pod) netip.Addr { return p.ip }
+			if family == "ipv6" {
+				vipPrefix, addr = serviceVIP6, func(p *pod) netip.Addr { return p.ip6 }
+			}
+			vip := netip.AddrPortFrom(vipPrefix.Addr(), servicePort)
+			c.writePolicy("client", egressOnly("client", tcpRule(vipPrefix.String(), servicePort)))
+			client := c.addPod("client", "default")
+			c.writePolicy("web", endpointDoc{name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
+				ingress: []docRule{tcpRule(netip.PrefixFrom(addr(client), addr(client).BitLen()).String(), backendPort)}}.String())
+			web := c.addPod(webReplicas[0], "default")
+			echoServer(t, web.netns, backendPort)
+			backend := netip.AddrPortFrom(addr(web), backendPort)
+			table := "ip"
+			if family == "ipv6" {
+				table = "ip6"
+			}
+			c.nft(t, fmt.Sprintf(`table %s podfence_e2e_vip {
+	chain prerouting {
+		type nat hook prerouting priority dstnat;
+		%s daddr %s tcp dport %d dnat to %s
 	}
-	defer conn.Close()
-	if err := conn.roundTrip("hello"); err != nil {
-		t.Fatal(err)
-	}
-	local := netip.MustParseAddrPort(conn.LocalAddr().String())
-	vip := netip.AddrPortFrom(serviceVIP.Addr(), servicePort)
-	backend := netip.AddrPortFrom(web.ip, backendPort)
+}
+`, table, table, vip.Addr(), vip.Port(), backend))
+			routeVia(t, client.netns, vipPrefix)
 
-	for pass := range 10 {
-		time.Sleep(150 * time.Millisecond) // the entries are older than the pass
-		r := c.sweep(t)
-		a, okA := r.find(local, vip)
-		b, okB := r.find(backend, local)
-		if !okA || !okB {
-			t.Fatalf("pass %d: client's entry found %v, backend's %v; entries %+v", pass, okA, okB, r.Entries)
+			conn, err := dialFrom(client.netns, vip)
+			if err != nil {
+				t.Fatalf("client to the VIP: %v", err)
+			}
+			defer conn.Close()
+			if err := conn.roundTrip("hello"); err != nil {
+				t.Fatal(err)
+			}
+			local := netip.MustParseAddrPort(conn.LocalAddr().String())
+
+			for pass := range 10 {
+				time.Sleep(150 * time.Millisecond) // the entries are older than the pass
+				r := c.sweep(t)
+				a, okA := r.find(local, vip)
+				b, okB := r.find(backend, local)
+				if !okA || !okB {
+					t.Fatalf("pass %d: client's entry found %v, backend's %v; entries %+v", pass, okA, okB, r.Entries)
+				}
+				for _, e := range []sweptEntry{a, b} {
+					if e.Decision != "kept" || e.Reason != "live" {
+						t.Fatalf("pass %d: entry %s -> %s %s (%s), want kept as live", pass, e.Pod, e.Peer, e.Decision, e.Reason)
+					}
+				}
+				if err := conn.roundTrip(fmt.Sprintf("after pass %d", pass)); err != nil {
+					t.Fatalf("pass %d broke the connection: %v", pass, err)
+				}
+			}
+
+			conn.Close()
+			time.Sleep(50 * time.Millisecond) // the close's packets are tracked
+			c.conntrackDelete(t, "-f", family, "-p", "tcp", "--orig-src", local.Addr().String())
+			time.Sleep(150 * time.Millisecond)
+			r := c.sweep(t)
+			for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
+				got, ok := r.find(e[0], e[1])
+				if !ok || got.Decision != "deleted" || got.Reason != "no-flow" {
+					t.Errorf("entry %s -> %s after its kernel flow went: %+v (seen %v), want deleted for no-flow", e[0], e[1], got, ok)
+				}
+			}
+			r = c.sweep(t)
+			for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
+				if got, ok := r.find(e[0], e[1]); ok {
+					t.Errorf("entry %s -> %s still in the map after its deletion: %+v", e[0], e[1], got)
+				}
+			}
+		})
+	}
+}
+
+// routeVia sends the pod's traffic for dst the way its traffic for the
+// pod range of dst's family goes (the ptp conflist routes only that).
+func routeVia(t *testing.T, pod ns.NetNS, dst netip.Prefix) {
+	t.Helper()
+	family, podNet := netlink.FAMILY_V4, podRange
+	if dst.Addr().Is6() {
+		family, podNet = netlink.FAMILY_V6, podRange6
+	}
+	netnsutil.Do(t, pod, func() error {
+		routes, err := netlink.RouteList(nil, family)
+		if err != nil {
+			return err
 		}
-		for _, e := range []sweptEntry{a, b} {
-			if e.Decision != "kept" || e.Reason != "live" {
-				t.Fatalf("pass %d: entry %s -> %s %s (%s), want kept as live", pass, e.Pod, e.Peer, e.Decision, e.Reason)
+		for _, r := range routes {
+			if r.Dst != nil && r.Dst.String() == podNet.String() && r.Gw != nil {
+				return netlink.RouteAdd(&netlink.Route{LinkIndex: r.LinkIndex, Dst: prefixNet(dst), Gw: r.Gw})
 			}
 		}
-		if err := conn.roundTrip(fmt.Sprintf("after pass %d", pass)); err != nil {
-			t.Fatalf("pass %d broke the connection: %v", pass, err)
-		}
-	}
-
-	conn.Close()
-	c.conntrackDelete(t, "-p", "tcp", "--orig-src", client.ip.String())
-	time.Sleep(150 * time.Millisecond)
-	r := c.sweep(t)
-	for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
-		got, ok := r.find(e[0], e[1])
-		if !ok || got.Decision != "deleted" || got.Reason != "no-flow" {
-			t.Errorf("entry %s -> %s after its kernel flow went: %+v (seen %v), want deleted for no-flow", e[0], e[1], got, ok)
-		}
-	}
-	if r := c.sweep(t); len(r.Entries) != 0 {
-		for _, e := range [][2]netip.AddrPort{{local, vip}, {backend, local}} {
-			if got, ok := r.find(e[0], e[1]); ok {
-				t.Errorf("entry %s -> %s still in the map after its deletion: %+v", e[0], e[1], got)
-			}
-		}
-	}
+		return fmt.Errorf("no route for %s in the pod: %v", podNet, routes)
+	})
 }
