@@ -184,9 +184,9 @@ func (s *Sweeper) Pass() (Report, error) {
 	}
 
 	var n4, n6 int
-	dead := make([]bpf.CTEntry, 0, bpf.CTBatch)
+	del := newDeleter(s.g)
 	err = s.g.ScanConntrack(func(batch []bpf.CTEntry) error {
-		dead = dead[:0]
+		dead := del.batch()
 		for i := range batch {
 			e := &batch[i]
 			if e.Key.Family == 4 {
@@ -210,10 +210,12 @@ func (s *Sweeper) Pass() (Report, error) {
 			}
 		}
 		rep.Scanned += len(batch)
-		n, err := s.g.DeleteConntrack(dead)
-		rep.Deleted += n
-		return err
+		del.delete(dead)
+		return del.failed()
 	})
+	var derr error
+	rep.Deleted, derr = del.wait()
+	err = errors.Join(err, derr)
 	rep.Fill = [2]float64{
 		float64(n4) / float64(s.g.CTv4.MaxEntries()),
 		float64(n6) / float64(s.g.CTv6.MaxEntries()),
