@@ -8,10 +8,15 @@ import (
 	"net/netip"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/podfence/podfence/bpf"
 )
 
 // runSweeper starts `podfence-sweeper run` in the node namespace. Its
@@ -133,5 +138,46 @@ func TestSweeperRunFollowsDestroyEvents(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("no exit 10s after SIGTERM")
+	}
+}
+
+// TestSweeperRunFollowsNodeAddresses: kubelet probes come from the node's
+// addresses, which every pod's policy must allow. When the node gains an
+// address after its pods were added, `run` writes it to the node's map
+// without any ADD.
+func TestSweeperRunFollowsNodeAddresses(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	c.addPod(webReplicas[0], "default")
+	c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	c.waitHealthy(t)
+
+	added := netip.MustParseAddr("198.51.100.7")
+	if err := c.inNode(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(added, 32))})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		g, err := bpf.OpenGlobal(c.pinRoot)
+		if err != nil {
+			t.Fatal(err)
+		}
+		addrs, err := g.NodeAddresses()
+		g.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.Contains(addrs, added) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node addresses %v 5s after %s was added, want it among them", addrs, added)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
