@@ -15,12 +15,24 @@ import (
 	"github.com/podfence/podfence/test/netnsutil"
 )
 
-// The outside of TestSweepNATShapes: a namespace beyond the node, reached
-// through its own link, as the Internet or a NodePort client would be.
-var (
-	nodeOutside = netip.MustParsePrefix("192.0.2.1/24")
-	outsideAddr = netip.MustParsePrefix("192.0.2.2/24")
-)
+// natFamily is what TestSweepNATShapes needs of one address family.
+type natFamily struct {
+	name        string       // conntrack -f and the subtest's name
+	nft         string       // nftables family, and its address keyword
+	podRange    netip.Prefix // the pods' host-local range
+	nodeOutside netip.Prefix // the node's address on the outside link
+	outside     netip.Prefix // the outside namespace's
+	vip         netip.Prefix // the hairpin's service
+	any         string       // a CIDR of every address
+	podAddr     func(*pod) netip.Addr
+}
+
+var natFamilies = []natFamily{
+	{"ipv4", "ip", podRange, netip.MustParsePrefix("192.0.2.1/24"), netip.MustParsePrefix("192.0.2.2/24"),
+		serviceVIP, "0.0.0.0/0", func(p *pod) netip.Addr { return p.ip }},
+	{"ipv6", "ip6", podRange6, netip.MustParsePrefix("2001:db8::1/64"), netip.MustParsePrefix("2001:db8::2/64"),
+		serviceVIP6, "::/0", func(p *pod) netip.Addr { return p.ip6 }},
+}
 
 const (
 	outsidePort  = 9100
@@ -56,132 +68,142 @@ func dialFrom(n ns.NetNS, dst netip.AddrPort) (*echoConn, error) {
 	return &echoConn{Conn: conn, r: bufio.NewReader(conn)}, nil
 }
 
+// isolatedWeb is a policy isolating the web replica both ways, open to
+// ingress from anywhere on the backend port and to egress per egress.
+func isolatedWeb(f natFamily, egress ...docRule) string {
+	return endpointDoc{name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
+		ingress: []docRule{tcpRule(f.any, backendPort)}, egress: egress}.String()
+}
+
 // TestSweepNATShapes: the other NAT shapes the liveness rule must cover,
-// each with real traffic through nftables NAT in the node namespace. While
-// the connection lives, every pass keeps the pods' entries as live (the
-// pod-side address of each is known; its peer is what NAT made of the
-// other side); once the kernel flow is gone, the next pass deletes them.
+// each with real traffic through nftables NAT in the node namespace, over
+// IPv4 and IPv6 (dual-stack pods). While the connection lives, every pass
+// keeps the pods' entries as live (the pod-side address of each is known;
+// its peer is what NAT made of the other side); once the kernel flow is
+// gone, the next pass deletes them.
 func TestSweepNATShapes(t *testing.T) {
-	for _, tc := range []struct {
+	shapes := []struct {
 		name string
 		// setUp builds the shape and returns the connection and the
 		// pod-side address:port of each entry it must keep.
-		setUp func(t *testing.T, c *cluster) (*echoConn, []netip.AddrPort)
-		flow  []string // conntrack -D filter of its kernel flow
+		setUp func(t *testing.T, c *cluster, f natFamily) (*echoConn, []netip.AddrPort)
+		port  uint16 // its kernel flow's original destination port
 	}{{
 		name: "pod SNAT to the outside",
-		setUp: func(t *testing.T, c *cluster) (*echoConn, []netip.AddrPort) {
+		port: outsidePort,
+		setUp: func(t *testing.T, c *cluster, f natFamily) (*echoConn, []netip.AddrPort) {
 			outside := netnsutil.New(t)
-			netnsutil.AddVeth(t, c.node, outside, "out0", nodeOutside, outsideAddr)
-			c.nft(t, `table ip podfence_e2e_snat {
+			netnsutil.AddVeth(t, c.node, outside, "out0", f.nodeOutside, f.outside)
+			c.nft(t, fmt.Sprintf(`table %[1]s podfence_e2e_snat {
 	chain postrouting {
 		type nat hook postrouting priority srcnat;
-		ip saddr 10.88.0.0/16 oifname "out0" masquerade
+		%[1]s saddr %[2]s oifname "out0" masquerade
 	}
 }
-`)
-			c.writePolicy("client", egressOnly("client", tcpRule(outsideAddr.Masked().String(), outsidePort)))
+`, f.nft, f.podRange))
+			c.writePolicy("client", egressOnly("client", tcpRule(f.outside.Masked().String(), outsidePort)))
 			client := c.addPod("client", "default")
-			routeLikeCluster(t, client.netns, outsideAddr.Masked())
+			routeVia(t, client.netns, f.outside.Masked())
 			echoServer(t, outside, outsidePort)
-			conn, err := dialFrom(client.netns, netip.AddrPortFrom(outsideAddr.Addr(), outsidePort))
+			conn, err := dialFrom(client.netns, netip.AddrPortFrom(f.outside.Addr(), outsidePort))
 			if err != nil {
 				t.Fatalf("pod to the outside: %v", err)
 			}
 			return conn, []netip.AddrPort{netip.MustParseAddrPort(conn.LocalAddr().String())}
 		},
-		flow: []string{"-p", "tcp", "--orig-port-dst", fmt.Sprint(outsidePort)},
 	}, {
 		name: "NodePort with DNAT and SNAT",
-		setUp: func(t *testing.T, c *cluster) (*echoConn, []netip.AddrPort) {
+		port: nodePortPort,
+		setUp: func(t *testing.T, c *cluster, f natFamily) (*echoConn, []netip.AddrPort) {
 			outside := netnsutil.New(t)
-			netnsutil.AddVeth(t, c.node, outside, "out0", nodeOutside, outsideAddr)
-			c.writePolicy("web", endpointDoc{name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
-				ingress: []docRule{tcpRule("0.0.0.0/0", backendPort)}}.String())
+			netnsutil.AddVeth(t, c.node, outside, "out0", f.nodeOutside, f.outside)
+			c.writePolicy("web", isolatedWeb(f))
 			web := c.addPod(webReplicas[0], "default")
 			echoServer(t, web.netns, backendPort)
-			c.nft(t, fmt.Sprintf(`table ip podfence_e2e_nodeport {
+			backend := netip.AddrPortFrom(f.podAddr(web), backendPort)
+			c.nft(t, fmt.Sprintf(`table %[1]s podfence_e2e_nodeport {
 	chain prerouting {
 		type nat hook prerouting priority dstnat;
-		ip daddr %s tcp dport %d dnat to %s:%d
+		%[1]s daddr %[2]s tcp dport %[3]d dnat to %[4]s
 	}
 	chain postrouting {
 		type nat hook postrouting priority srcnat;
-		ip saddr %s ip daddr %s masquerade
+		%[1]s saddr %[5]s %[1]s daddr %[6]s masquerade
 	}
 }
-`, nodeOutside.Addr(), nodePortPort, web.ip, backendPort, outsideAddr.Masked(), web.ip))
-			conn, err := dialFrom(outside, netip.AddrPortFrom(nodeOutside.Addr(), nodePortPort))
+`, f.nft, f.nodeOutside.Addr(), nodePortPort, backend, f.outside.Masked(), backend.Addr()))
+			conn, err := dialFrom(outside, netip.AddrPortFrom(f.nodeOutside.Addr(), nodePortPort))
 			if err != nil {
 				t.Fatalf("outside client to the NodePort: %v", err)
 			}
-			return conn, []netip.AddrPort{netip.AddrPortFrom(web.ip, backendPort)}
+			return conn, []netip.AddrPort{backend}
 		},
-		flow: []string{"-p", "tcp", "--orig-port-dst", fmt.Sprint(nodePortPort)},
 	}, {
 		name: "hairpin: a pod through its own service",
-		setUp: func(t *testing.T, c *cluster) (*echoConn, []netip.AddrPort) {
-			c.writePolicy("web", endpointDoc{name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
-				ingress: []docRule{tcpRule("0.0.0.0/0", backendPort)},
-				egress:  []docRule{tcpRule(serviceVIP.String(), servicePort)}}.String())
+		port: servicePort,
+		setUp: func(t *testing.T, c *cluster, f natFamily) (*echoConn, []netip.AddrPort) {
+			c.writePolicy("web", isolatedWeb(f, tcpRule(f.vip.String(), servicePort)))
 			web := c.addPod(webReplicas[0], "default")
 			echoServer(t, web.netns, backendPort)
-			routeLikeCluster(t, web.netns, serviceVIP)
+			routeVia(t, web.netns, f.vip)
+			backend := netip.AddrPortFrom(f.podAddr(web), backendPort)
 			// kube-proxy masquerades hairpin traffic, or the pod would see
 			// a packet from its own address.
-			c.nft(t, fmt.Sprintf(`table ip podfence_e2e_hairpin {
+			c.nft(t, fmt.Sprintf(`table %[1]s podfence_e2e_hairpin {
 	chain prerouting {
 		type nat hook prerouting priority dstnat;
-		ip saddr %[1]s ip daddr %[2]s tcp dport %[3]d meta mark set 0x4000 dnat to %[1]s:%[4]d
+		%[1]s saddr %[2]s %[1]s daddr %[3]s tcp dport %[4]d meta mark set 0x4000 dnat to %[5]s
 	}
 	chain postrouting {
 		type nat hook postrouting priority srcnat;
 		meta mark 0x4000 masquerade
 	}
 }
-`, web.ip, serviceVIP.Addr(), servicePort, backendPort))
-			conn, err := dialEcho(web.netns)
+`, f.nft, backend.Addr(), f.vip.Addr(), servicePort, backend))
+			conn, err := dialFrom(web.netns, netip.AddrPortFrom(f.vip.Addr(), servicePort))
 			if err != nil {
 				t.Fatalf("pod to its own service: %v", err)
 			}
-			return conn, []netip.AddrPort{netip.MustParseAddrPort(conn.LocalAddr().String()), netip.AddrPortFrom(web.ip, backendPort)}
+			return conn, []netip.AddrPort{netip.MustParseAddrPort(conn.LocalAddr().String()), backend}
 		},
-		flow: []string{"-p", "tcp", "--orig-port-dst", fmt.Sprint(servicePort)},
-	}} {
-		t.Run(tc.name, func(t *testing.T) {
-			c := newCluster(t, attachModes(t)[0])
-			conn, pods := tc.setUp(t, c)
-			defer conn.Close()
-			if err := conn.roundTrip("hello"); err != nil {
-				t.Fatal(err)
-			}
-			for pass := range 3 {
-				time.Sleep(50 * time.Millisecond) // the entries are older than the pass
-				r := c.sweep(t)
-				for _, p := range pods {
-					e := r.byPod(p)
-					if len(e) != 1 || e[0].Decision != "kept" || e[0].Reason != "live" {
-						t.Fatalf("pass %d: entries of %s: %+v, want one kept as live; all: %+v", pass, p, e, r.Entries)
+	}}
+	for _, f := range natFamilies {
+		for _, shape := range shapes {
+			t.Run(f.name+"/"+shape.name, func(t *testing.T) {
+				c := newDualStackCluster(t, attachModes(t)[0])
+				conn, pods := shape.setUp(t, c, f)
+				defer conn.Close()
+				if err := conn.roundTrip("hello"); err != nil {
+					t.Fatal(err)
+				}
+				for pass := range 3 {
+					time.Sleep(50 * time.Millisecond) // the entries are older than the pass
+					r := c.sweep(t)
+					for _, p := range pods {
+						e := r.byPod(p)
+						if len(e) != 1 || e[0].Decision != "kept" || e[0].Reason != "live" {
+							t.Fatalf("pass %d: entries of %s: %+v, want one kept as live; all: %+v", pass, p, e, r.Entries)
+						}
+					}
+					if pass == 0 {
+						t.Logf("entries: %+v", r.Entries)
+					}
+					if err := conn.roundTrip(fmt.Sprintf("after pass %d", pass)); err != nil {
+						t.Fatalf("pass %d broke the connection: %v", pass, err)
 					}
 				}
-				if pass == 0 {
-					t.Logf("entries: %+v", r.Entries)
+				conn.Close()
+				time.Sleep(50 * time.Millisecond) // the close's packets are tracked
+				c.conntrackDelete(t, "-f", f.name, "-p", "tcp", "--orig-port-dst", fmt.Sprint(shape.port))
+				time.Sleep(50 * time.Millisecond)
+				r := c.sweep(t)
+				for _, p := range pods {
+					if e := r.byPod(p); len(e) != 1 || e[0].Decision != "deleted" || e[0].Reason != "no-flow" {
+						t.Errorf("entries of %s after the kernel flow went: %+v, want one deleted for no-flow", p, e)
+					}
 				}
-				if err := conn.roundTrip(fmt.Sprintf("after pass %d", pass)); err != nil {
-					t.Fatalf("pass %d broke the connection: %v", pass, err)
-				}
-			}
-			conn.Close()
-			time.Sleep(50 * time.Millisecond) // the close's packets are tracked
-			c.conntrackDelete(t, tc.flow...)
-			time.Sleep(50 * time.Millisecond)
-			r := c.sweep(t)
-			for _, p := range pods {
-				if e := r.byPod(p); len(e) != 1 || e[0].Decision != "deleted" || e[0].Reason != "no-flow" {
-					t.Errorf("entries of %s after the kernel flow went: %+v, want one deleted for no-flow", p, e)
-				}
-			}
-		})
+			})
+		}
 	}
 }
 
