@@ -129,6 +129,13 @@ func TestSweepRemovesOrphans(t *testing.T) {
 			if e, ok := r.find(netip.AddrPortFrom(live.ip, 40000), peer); !ok || e.Reason != "live" {
 				t.Errorf("the live replica's entry: %+v (seen %v), want kept as live", e, ok)
 			}
+			// Nothing of the gone pods is left for a pod given their
+			// address or their veth's ifindex to inherit.
+			for _, e := range c.sweep(t).Entries {
+				if pod := netip.MustParseAddrPort(e.Pod); pod.Addr() == gone.ip || pod.Addr() == alone.ip {
+					t.Errorf("an entry of a gone pod's address is left: %+v", e)
+				}
+			}
 		})
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -21,12 +22,12 @@ import (
 
 // runSweeper starts `podfence-sweeper run` in the node namespace. Its
 // metrics listen on the node namespace's loopback.
-func (c *cluster) runSweeper(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+func (c *cluster) runSweeper(t *testing.T, args ...string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	all := append([]string{"run", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--metrics-addr", "127.0.0.1:9465"}, args...)
 	cmd := exec.Command(filepath.Join(binDir, "podfence-sweeper"), all...)
-	var logs bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &logs, &logs
+	logs := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := c.inNode(cmd.Start); err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +40,25 @@ func (c *cluster) runSweeper(t *testing.T, args ...string) (*exec.Cmd, *bytes.Bu
 			t.Logf("sweeper log:\n%s", logs.String())
 		}
 	})
-	return cmd, &logs
+	return cmd, logs
+}
+
+// syncBuffer is the sweeper's log, read while exec's goroutine writes it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // get fetches path from the sweeper's metrics server in the node namespace
@@ -179,5 +198,42 @@ func TestSweeperRunFollowsNodeAddresses(t *testing.T) {
 			t.Fatalf("node addresses %v 5s after %s was added, want it among them", addrs, added)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSweeperRunWarnsWhenFull: a node whose conntrack maps are past 90%
+// full evicts live flows; `run` exports the fill ratio and warns, naming
+// the settings to raise.
+func TestSweeperRunWarnsWhenFull(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	const size = 1024
+	_, logs := c.runSweeper(t, "--ct-v4-entries", fmt.Sprint(size), "--interval-min", "50ms", "--interval-max", "50ms")
+	c.waitHealthy(t) // the maps exist, at the size asked for
+	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{CTv4Entries: size})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	for i := range 950 {
+		k := bpf.CTKeyV4{Src: [4]byte{10, 88, byte(i >> 8), byte(i)}, Dst: [4]byte{10, 99, 0, 1}, Ifindex: 999, Sport: 1000, Dport: 80, Proto: 6}
+		if err := g.CTv4.Put(&k, &bpf.CTValue{LastSeenNs: uint64(time.Hour)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(logs.String(), "conntrack map nearly full") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no warning 10s after the map was 93%% full; log:\n%s", logs)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	page, err := c.get("/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The entries' veth is no member's: the pass that warned deleted them,
+	// so the gauge says 0.93 or, one pass later, 0.
+	if v := metric(t, page, `podfence_conntrack_fill_ratio{family="ipv4"}`); v != "0" && !strings.HasPrefix(v, "0.92") {
+		t.Errorf("fill ratio %s, want 950/1024 or 0 after the deleting pass", v)
 	}
 }
