@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 hack/deps.sh
 bin=$(mktemp -d)
 trap 'rm -rf "$bin"' EXIT
-echo "building podfence, ptp and host-local into $bin"
+echo "building podfence, podfence-sweeper, ptp and host-local into $bin"
 CGO_ENABLED=0 go build -o "$bin/podfence" ./plugins/podfence
+CGO_ENABLED=0 go build -o "$bin/podfence-sweeper" ./sweeper
 go build -o "$bin/ptp" github.com/containernetworking/plugins/plugins/main/ptp
 go build -o "$bin/host-local" github.com/containernetworking/plugins/plugins/ipam/host-local
 go run ./hack/demo -bin "$bin"

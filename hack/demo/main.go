@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -156,6 +157,13 @@ spec:
 	for _, w := range []*pod{web1, web2} {
 		d.tryConnect(frontend, w, 8080, true)
 		d.tryConnect(intruder, w, 8080, false)
+	}
+
+	step("What the node shows: podfence-sweeper ls, then dump conntrack (the entries those connections left).")
+	for _, args := range [][]string{{"ls"}, {"dump", "conntrack"}} {
+		if err := d.sweeper(binDir, args...); err != nil {
+			return err
+		}
 	}
 
 	step("Scale down: the first replica is deleted. Its pins are shared, so they stay.")
@@ -357,6 +365,25 @@ func (d *demo) cleanup() error {
 	}
 	errs = append(errs, os.RemoveAll(d.pinRoot))
 	return errors.Join(errs...)
+}
+
+// sweeper runs podfence-sweeper in the node namespace, its output indented.
+func (d *demo) sweeper(binDir string, args ...string) error {
+	args = append(args, "--pin-root", d.pinRoot)
+	var out []byte
+	err := d.node.Do(func(ns.NetNS) error {
+		var err error
+		out, err = exec.Command(filepath.Join(binDir, "podfence-sweeper"), args...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("podfence-sweeper %s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	say("$ podfence-sweeper %s", strings.Join(args, " "))
+	for _, line := range strings.Split(strings.TrimRight(string(out), "\n"), "\n") {
+		say("  %s", line)
+	}
+	return nil
 }
 
 func step(s string) { fmt.Printf("\n== %s\n", s) }
