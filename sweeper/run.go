@@ -36,8 +36,12 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	maxInterval := fs.Duration("interval-max", sweep.DefaultInterval.Max, "longest time between full passes")
 	policyDir := fs.String("policy-dir", "/etc/podfence/policies", "the plugin's policyDir: read again when the node's addresses change")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	eventBuffer := fs.Int("event-buffer", ctnetlink.DefaultEventsReadBuffer, "receive buffer for conntrack destroy events, in bytes; events past it are lost and cause a full pass")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if *eventBuffer <= 0 {
+		return usageError{fmt.Errorf("--event-buffer %d: need a positive size", *eventBuffer)}
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
@@ -65,6 +69,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		s: s, g: g, log: log, pinRoot: c.pinRoot, policyDir: *policyDir,
 		interval: sweep.Interval{Min: *minInterval, Max: *maxInterval},
 		wake:     make(chan struct{}, 1),
+		events:   ctnetlink.EventsOptions{ReadBuffer: *eventBuffer},
 	}
 	reg := prometheus.NewRegistry()
 	r.m = newMetrics(reg, c.pinRoot)
@@ -89,6 +94,7 @@ type runner struct {
 	interval  sweep.Interval
 	healthy   atomic.Bool
 	wake      chan struct{} // a full pass is wanted now (lost events)
+	events    ctnetlink.EventsOptions
 }
 
 func (r *runner) serve(addr string, reg *prometheus.Registry) (*http.Server, error) {
@@ -115,7 +121,7 @@ func (r *runner) loop(ctx context.Context) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 
-	ev, err := ctnetlink.OpenEvents()
+	ev, err := ctnetlink.OpenEventsWith(r.events)
 	if err != nil {
 		return fmt.Errorf("follow conntrack events: %w", err)
 	}

@@ -97,18 +97,33 @@ type Events struct {
 	flow Flow
 }
 
-// EventsReadBuffer is the receive buffer Events asks for: room for about
-// 20,000 destroy events between two reads.
-const EventsReadBuffer = 8 << 20
+// DefaultEventsReadBuffer is the receive buffer Events asks for unless
+// told otherwise: room for about 20,000 destroy events between two reads.
+const DefaultEventsReadBuffer = 8 << 20
+
+// EventsOptions are OpenEventsWith's settings.
+type EventsOptions struct {
+	// ReadBuffer is the socket's receive buffer in bytes; 0 is
+	// DefaultEventsReadBuffer. The kernel drops events past it, and Read
+	// says so with ErrLost. Beyond net.core.rmem_max it needs
+	// CAP_NET_ADMIN.
+	ReadBuffer int
+}
 
 // OpenEvents subscribes, in the calling thread's network namespace, to the
 // destroy event of every flow.
-func OpenEvents() (*Events, error) {
+func OpenEvents() (*Events, error) { return OpenEventsWith(EventsOptions{}) }
+
+// OpenEventsWith is OpenEvents with settings.
+func OpenEventsWith(opts EventsOptions) (*Events, error) {
+	if opts.ReadBuffer == 0 {
+		opts.ReadBuffer = DefaultEventsReadBuffer
+	}
 	c, err := dial(1 << (groupDestroy - 1))
 	if err != nil {
 		return nil, err
 	}
-	if err := c.setReadBuffer(EventsReadBuffer); err != nil {
+	if err := c.setReadBuffer(opts.ReadBuffer); err != nil {
 		c.close()
 		return nil, fmt.Errorf("size conntrack event buffer: %w", err)
 	}

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	mdnetlink "github.com/mdlayher/netlink"
+	"github.com/ti-mo/conntrack"
 	"github.com/vishvananda/netlink"
 
 	"github.com/podfence/podfence/bpf"
@@ -235,5 +237,48 @@ func TestSweeperRunWarnsWhenFull(t *testing.T) {
 	// so the gauge says 0.93 or, one pass later, 0.
 	if v := metric(t, page, `podfence_conntrack_fill_ratio{family="ipv4"}`); v != "0" && !strings.HasPrefix(v, "0.92") {
 		t.Errorf("fill ratio %s, want 950/1024 or 0 after the deleting pass", v)
+	}
+}
+
+// TestSweeperRunLostEventsRunPass: destroy events the kernel could not
+// deliver (the socket's buffer was full) hide flows' ends; `run` counts the
+// loss and runs a full pass at once rather than waiting for the interval.
+func TestSweeperRunLostEventsRunPass(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	c.addPod(webReplicas[0], "default")
+	c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--event-buffer", "4096")
+	c.waitHealthy(t)
+
+	ct, err := conntrack.Dial(&mdnetlink.Config{NetNS: int(c.node.Fd())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ct.Close()
+	for i := range 5000 {
+		src := netip.AddrFrom4([4]byte{10, 77, byte(i >> 8), byte(i)})
+		f := conntrack.NewFlow(17, 0, src, netip.MustParseAddr("10.99.0.1"), 1000, 53, 600, 0)
+		if err := ct.Create(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ct.Flush(); err != nil { // 5,000 destroy events at once
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		page, err := c.get("/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lost := metric(t, page, "podfence_conntrack_destroy_events_lost_total")
+		passes := metric(t, page, "podfence_sweep_pass_duration_seconds_count")
+		if lost != "0" && passes != "1" {
+			t.Logf("events lost %s times; %s passes", lost, passes)
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("10s after flushing 5,000 flows: events lost %s times, %s passes; want a loss and a pass after the first", lost, passes)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
