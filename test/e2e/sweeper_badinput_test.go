@@ -9,9 +9,13 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/test/kernel"
 )
 
 // TestSweeperBadInput: the sweeper's answers to what an operator can get
@@ -21,6 +25,19 @@ func TestSweeperBadInput(t *testing.T) {
 	c := lcCluster(t, attachModes(t)[0])
 	c.addPod(webReplicas[0], "default")
 	notBPF := t.TempDir()
+	// Pins of another layout: a conntrack map whose key is not podfence's.
+	other := kernel.PinRoot(t)
+	if err := os.MkdirAll(pinpath.Root(other).Global(), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LRUHash, KeySize: 8, ValueSize: 16, MaxEntries: bpf.DefaultCTv4Entries})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Pin(filepath.Join(pinpath.Root(other).Global(), pinpath.MapCTv4)); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		name string
 		args []string
@@ -33,6 +50,7 @@ func TestSweeperBadInput(t *testing.T) {
 		{"missing pin root", []string{"ls", "--pin-root", filepath.Join(notBPF, "nothing")}, 1, "does not exist"},
 		{"pin root not on bpffs", []string{"sweep", "--pin-root", notBPF}, 1, "not on bpffs"},
 		{"maps of another size", []string{"sweep", "--pin-root", c.pinRoot, "--ct-v4-entries", "2048"}, 1, "2048"},
+		{"maps of another layout", []string{"sweep", "--pin-root", other}, 1, pinpath.MapCTv4},
 		{"a table size out of range", []string{"sweep", "--pin-root", c.pinRoot, "--ct-v6-entries", "12"}, 2, "--ct-v6-entries"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
