@@ -33,6 +33,10 @@ type identifierView struct {
 	Members    []memberView `json:"members"`
 	Unreadable []string     `json:"unreadable_members,omitempty"`
 	Error      string       `json:"error,omitempty"`
+	// PolicyError is why the policy directory was refused, node-wide:
+	// Generation is then the last good policy's.
+	PolicyError      string     `json:"policy_error,omitempty"`
+	PolicyErrorSince *time.Time `json:"policy_error_since,omitempty"`
 }
 
 type memberView struct {
@@ -60,8 +64,21 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	ps, invalid, err := sweep.ReadPolicyStatus(c.pinRoot)
+	if err != nil {
+		return err
+	}
+	if invalid {
+		for i := range views {
+			views[i].PolicyError, views[i].PolicyErrorSince = ps.Error, &ps.Since
+		}
+	}
 	if c.json {
 		return writeJSON(stdout, views)
+	}
+	if invalid {
+		fmt.Fprintf(stdout, "policy directory refused since %s (every identifier keeps its last good policy): %s\n\n",
+			ps.Since.Local().Format(time.RFC3339), ps.Error)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "IDENTIFIER\tGEN\tMODE\tISOLATED\tALLOWED\tDENIED\tCONTAINER\tVETH\tIFINDEX\tATTACH\tPROGRAMS\tIPS")
@@ -392,4 +409,34 @@ func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+func cmdApply(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("apply", stderr, &c, false)
+	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	g, err := openGlobal(&c, false)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	n, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
+	var recorded error
+	if errors.Is(err, sweep.ErrInvalidPolicy) {
+		recorded = err
+	}
+	if rerr := sweep.RecordPolicyStatus(c.pinRoot, recorded); rerr != nil && err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return err
+	}
+	if c.json {
+		return writeJSON(stdout, map[string]int{"identifiers": n})
+	}
+	fmt.Fprintf(stdout, "programmed %d identifiers with %s\n", n, *policyDir)
+	return nil
 }

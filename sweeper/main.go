@@ -31,6 +31,7 @@ const usage = `usage: podfence-sweeper <command> [flags]
 commands:
   run              the DaemonSet loop: reconcile, follow destroy events, serve metrics
   sweep            one reconciliation pass; prints what it kept and deleted, and why
+  apply            program every identifier with the policy directory, once
   ls               identifiers, their members and host veths, programs, counters
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
 
@@ -55,6 +56,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdSweep(rest, stdout, stderr)
 	case "ls":
 		err = cmdLs(rest, stdout, stderr)
+	case "apply":
+		err = cmdApply(rest, stdout, stderr)
 	case "dump":
 		if len(rest) == 0 || rest[0] != "conntrack" {
 			fmt.Fprintf(stderr, "podfence-sweeper dump: say what to dump: dump conntrack\n")
@@ -179,3 +182,6 @@ func openGlobal(c *common, create bool) (*bpf.Global, error) {
 	}
 	return g, nil
 }
+
+// defaultPolicyDir is the plugin's default policyDir.
+const defaultPolicyDir = "/etc/podfence/policies"

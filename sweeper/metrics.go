@@ -21,6 +21,9 @@ type metrics struct {
 	eventDeletes  prometheus.Counter
 	orphans       prometheus.Counter
 	nodeAddrSyncs prometheus.Counter
+	policyApplies prometheus.Counter
+	policyErrors  prometheus.Counter
+	policyValid   prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
@@ -47,9 +50,16 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 			Name: "podfence_orphans_removed_total", Help: "Members removed because their veth was gone."}),
 		nodeAddrSyncs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "podfence_node_address_syncs_total", Help: "Times the node's addresses were written after they changed."}),
+		policyApplies: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_policy_applies_total", Help: "Times the policy directory was loaded and programmed into every identifier."}),
+		policyErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_policy_errors_total", Help: "Times the policy directory did not load, or an identifier could not be programmed."}),
+		policyValid: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policy_valid", Help: "1 when the policy directory loaded at the last change, 0 when identifiers keep their last good policy."}),
 	}
 	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
-		m.eventDeletes, m.orphans, m.nodeAddrSyncs, &packetCollector{pinRoot: pinRoot})
+		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
+		&packetCollector{pinRoot: pinRoot})
 	// Every reason appears from the start, at 0.
 	for r := range liveness.DeletedDead + 1 {
 		m.entries.WithLabelValues(decision(r), r.String())

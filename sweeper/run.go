@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -20,6 +21,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/policywatch"
 	"github.com/podfence/podfence/pkg/sweep"
 )
 
@@ -34,7 +36,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	metricsAddr := fs.String("metrics-addr", ":9465", "address of /metrics and /healthz (empty: none)")
 	minInterval := fs.Duration("interval-min", sweep.DefaultInterval.Min, "shortest time between full passes")
 	maxInterval := fs.Duration("interval-max", sweep.DefaultInterval.Max, "longest time between full passes")
-	policyDir := fs.String("policy-dir", "/etc/podfence/policies", "the plugin's policyDir: read again when the node's addresses change")
+	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir: followed, and programmed into every identifier as it changes")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	eventBuffer := fs.Int("event-buffer", ctnetlink.DefaultEventsReadBuffer, "receive buffer for conntrack destroy events, in bytes; events past it are lost and cause a full pass")
 	if err := parse(fs, args); err != nil {
@@ -154,6 +156,18 @@ func (r *runner) loop(ctx context.Context) error {
 	}
 	r.syncNodeAddrs()
 
+	// Policy changes are programmed as they settle; the directory is read
+	// once now, for changes made while no sweeper ran.
+	if err := os.MkdirAll(r.policyDir, 0o755); err != nil {
+		return fmt.Errorf("policy directory: %w", err)
+	}
+	pw, err := policywatch.New(r.policyDir, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { pw.Close() }()
+	r.applyPolicies("start")
+
 	wait := r.interval.Min
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -165,6 +179,17 @@ func (r *runner) loop(ctx context.Context) error {
 			return nil
 		case <-addrs:
 			r.syncNodeAddrs()
+			continue
+		case <-pw.C:
+			r.applyPolicies("policy files changed")
+			continue
+		case <-pw.Failed:
+			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
+			pw.Close()
+			if pw, err = policywatch.New(r.policyDir, 0); err != nil {
+				return err
+			}
+			r.applyPolicies("policy directory watched again")
 			continue
 		case <-r.wake:
 		case <-timer.C:
@@ -199,6 +224,38 @@ func (r *runner) logPass(rep sweep.Report) {
 			r.log.Warn("conntrack map nearly full: the datapath evicts flows; raise ctV4Entries/ctV6Entries and --ct-v4-entries/--ct-v6-entries",
 				"family", []string{"ipv4", "ipv6"}[fam], "fill", f)
 		}
+	}
+}
+
+// applyPolicies programs every identifier with what the policy directory
+// says. An invalid directory changes nothing; the refusal is logged,
+// counted and recorded for ls.
+func (r *runner) applyPolicies(why string) {
+	start := time.Now()
+	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	invalid := errors.Is(err, sweep.ErrInvalidPolicy)
+	if invalid {
+		r.m.policyValid.Set(0)
+	} else {
+		r.m.policyValid.Set(1)
+		r.m.policyApplies.Inc()
+	}
+	var recorded error
+	if invalid {
+		recorded = err
+	}
+	if rerr := sweep.RecordPolicyStatus(r.pinRoot, recorded); rerr != nil {
+		r.log.Error("record the policy status", "error", rerr)
+	}
+	switch {
+	case invalid:
+		r.m.policyErrors.Inc()
+		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why, "error", err)
+	case err != nil:
+		r.m.policyErrors.Inc()
+		r.log.Error("program identifiers with the policy", "why", why, "identifiers_programmed", n, "error", err)
+	default:
+		r.log.Info("policy programmed", "why", why, "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
 	}
 }
 

@@ -32,6 +32,9 @@ const (
 	// StatusDir holds one empty directory per datapath build and kernel
 	// that STATUS has verified (bpffs holds no regular files).
 	StatusDir = "status"
+	// PolicyError is a symlink whose target records why the policy
+	// directory was last refused, and since when; absent while it is valid.
+	PolicyError = "policy-error"
 
 	ProgIngress = "prog_ingress"
 	ProgEgress  = "prog_egress"
@@ -85,6 +88,9 @@ func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
 
 // Status is the directory of STATUS's verified markers.
 func (r Root) Status() string { return filepath.Join(string(r), StatusDir) }
+
+// PolicyError is the record of an invalid policy directory.
+func (r Root) PolicyError() string { return filepath.Join(string(r), PolicyError) }
 
 // Identifiers is the directory of every identifier's directory.
 func (r Root) Identifiers() string { return filepath.Join(string(r), IdentifiersDir) }

@@ -105,6 +105,14 @@ func ParseFile(path string) ([]Document, error) {
 	return Parse(f, path)
 }
 
+// IsDocumentFile reports whether LoadDir reads a file of this name.
+func IsDocumentFile(name string) bool {
+	if strings.HasPrefix(name, ".") {
+		return false
+	}
+	return strings.HasSuffix(name, ".yaml") || strings.HasSuffix(name, ".yml") || strings.HasSuffix(name, ".json")
+}
+
 // LoadDir parses every *.yaml, *.yml and *.json file directly in dir, in name
 // order. Hidden files are skipped, and so is anything that is not a regular
 // file after following symlinks (a ConfigMap volume links its keys through
@@ -121,10 +129,7 @@ func LoadDir(dir string) ([]Document, error) {
 	var docs []Document
 	for _, e := range entries {
 		name := e.Name()
-		switch {
-		case strings.HasPrefix(name, "."):
-			continue
-		case !strings.HasSuffix(name, ".yaml") && !strings.HasSuffix(name, ".yml") && !strings.HasSuffix(name, ".json"):
+		if !IsDocumentFile(name) {
 			continue
 		}
 		path := filepath.Join(dir, name)

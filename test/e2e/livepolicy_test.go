@@ -1,0 +1,148 @@
+package e2e
+
+import (
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+// renamePolicy writes a policy file the way editors and ConfigMap updates
+// do: a hidden temporary file renamed over the old one.
+func (c *cluster) renamePolicy(t *testing.T, name, doc string) {
+	t.Helper()
+	tmp := filepath.Join(c.policyDir, "."+name+".tmp")
+	if err := os.WriteFile(tmp, []byte(doc), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(c.policyDir, name+".yaml")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (c *cluster) generation(t *testing.T, id podid.ID) uint32 {
+	t.Helper()
+	info, err := bpf.InspectIdentifier(c.pinRoot, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.Generation
+}
+
+// waitGeneration waits up to a second for id's generation to leave old,
+// and returns how long it took.
+func (c *cluster) waitGeneration(t *testing.T, id podid.ID, old uint32, since time.Time) time.Duration {
+	t.Helper()
+	for c.generation(t, id) == old {
+		if time.Since(since) > time.Second {
+			t.Fatalf("%s still at generation %d a second after the policy changed", id, old)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return time.Since(since)
+}
+
+// TestSweeperRunLivePolicy: `run` follows the policy directory. An
+// invalid document changes nothing and says so (log, metric, ls); a
+// policy that revokes an established connection cuts it, by traffic,
+// within a second of the change; removing the policy returns the pod to
+// standard mode's default, open.
+func TestSweeperRunLivePolicy(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client := c.addPod("client", "default")
+	intruder := c.addPod("intruder", "default")
+	c.writePolicy("web", backendPolicy(client.ip, backendPort))
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	id := podid.ID(webID)
+	backend := web.ip.String() + ":8080"
+	conn, err := dialFrom(client.netns, mustAddrPort(backend))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if err := conn.roundTrip("before"); err != nil {
+		t.Fatal(err)
+	}
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	c.waitHealthy(t)
+
+	// A half-edited document: refused, nothing changes.
+	gen := c.generation(t, id)
+	c.renamePolicy(t, "web", "apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\nspec: [unclosed\n")
+	deadline := time.Now().Add(2 * time.Second)
+	for !strings.Contains(logs.String(), "policy directory refused") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no refusal logged 2s after an invalid document; log:\n%s", logs)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	page, err := c.get("/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := metric(t, page, "podfence_policy_valid"); v != "0" {
+		t.Errorf("podfence_policy_valid %s after an invalid document, want 0", v)
+	}
+	out, err := c.sweeper(t, "ls", "--json", "--pin-root", c.pinRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ls []struct {
+		Identifier  string `json:"identifier"`
+		Generation  uint32 `json:"generation"`
+		PolicyError string `json:"policy_error"`
+	}
+	if err := json.Unmarshal(out, &ls); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range ls {
+		if v.PolicyError == "" {
+			t.Errorf("ls shows no policy error for %s", v.Identifier)
+		}
+	}
+	if got := c.generation(t, id); got != gen {
+		t.Errorf("an invalid document moved the generation from %d to %d", gen, got)
+	}
+	if err := conn.roundTrip("after the invalid document"); err != nil {
+		t.Fatalf("an invalid document broke an allowed connection: %v", err)
+	}
+	if c.connects(intruder, web, backendPort) {
+		t.Fatal("an invalid document opened the pod")
+	}
+
+	// A policy that no longer lets the client in: the established
+	// connection is cut.
+	changed := time.Now()
+	c.renamePolicy(t, "web", backendPolicy(intruder.ip, backendPort))
+	took := c.waitGeneration(t, id, gen, changed)
+	t.Logf("revoking policy programmed %v after the rename", took)
+	if err := conn.roundTrip("after revocation"); err == nil {
+		t.Fatal("the revoked connection still carries data")
+	}
+	if !c.connects(intruder, web, backendPort) {
+		t.Error("the new policy does not let the intruder in")
+	}
+	if _, err := os.Readlink(filepath.Join(c.pinRoot, "policy-error")); !os.IsNotExist(err) {
+		t.Errorf("the policy error is still recorded after a valid document: %v", err)
+	}
+
+	// No policy selects the pod any more: standard mode is open.
+	gen = c.generation(t, id)
+	changed = time.Now()
+	if err := os.Remove(filepath.Join(c.policyDir, "web.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	c.waitGeneration(t, id, gen, changed)
+	if !c.connects(client, web, backendPort) {
+		t.Error("the pod is not open once no policy selects it")
+	}
+}
+
+func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
