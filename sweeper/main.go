@@ -32,6 +32,8 @@ commands:
   run              the DaemonSet loop: reconcile, follow destroy events, serve metrics
   sweep            one reconciliation pass; prints what it kept and deleted, and why
   apply            program every identifier with the policy directory, once
+  install-cni      install the podfence plugin and chain it last in the node's conflist
+  uninstall-cni    take podfence out of the conflist and remove its binary
   ls               identifiers, their members and host veths, programs, counters
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
 
@@ -58,6 +60,10 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdLs(rest, stdout, stderr)
 	case "apply":
 		err = cmdApply(rest, stdout, stderr)
+	case "install-cni":
+		err = cmdInstallCNI(rest, stdout, stderr)
+	case "uninstall-cni":
+		err = cmdUninstallCNI(rest, stdout, stderr)
 	case "dump":
 		if len(rest) == 0 || rest[0] != "conntrack" {
 			fmt.Fprintf(stderr, "podfence-sweeper dump: say what to dump: dump conntrack\n")

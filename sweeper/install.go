@@ -1,0 +1,122 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"github.com/podfence/podfence/pkg/cniconf"
+)
+
+// cniFlags locate the node's CNI configuration and binaries.
+type cniFlags struct {
+	confDir, conflist, binDir string
+}
+
+func (c *cniFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&c.confDir, "cni-conf-dir", "/etc/cni/net.d", "the runtime's CNI configuration directory")
+	fs.StringVar(&c.conflist, "conflist", "", "the conflist to change (default: the first *.conflist in --cni-conf-dir, the one the runtime uses)")
+	fs.StringVar(&c.binDir, "cni-bin-dir", "/opt/cni/bin", "the runtime's CNI plugin directory")
+}
+
+func (c *cniFlags) find() (string, error) {
+	if c.conflist != "" {
+		return c.conflist, nil
+	}
+	return cniconf.FindConflist(c.confDir)
+}
+
+// cmdInstallCNI installs the podfence binary into the plugin directory and
+// chains it last in the node's conflist. It changes nothing when the
+// conflist is malformed, and nothing at all on a second run.
+func cmdInstallCNI(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cf cniFlags
+	cf.register(fs)
+	plugin := fs.String("plugin", "", "the podfence binary to install (default: podfence beside this binary)")
+	pinRoot := fs.String("pin-root", "/sys/fs/bpf/podfence", "pinRoot written into podfence's entry")
+	policyDir := fs.String("policy-dir", defaultPolicyDir, "policyDir written into podfence's entry")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *plugin == "" {
+		self, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("find the podfence binary: %w", err)
+		}
+		*plugin = filepath.Join(filepath.Dir(self), "podfence")
+	}
+	path, err := cf.find()
+	if err != nil {
+		return err
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("read conflist: %w", err)
+	}
+	out, changed, err := cniconf.Chain(data, map[string]any{"pinRoot": *pinRoot, "policyDir": *policyDir})
+	if err != nil {
+		return fmt.Errorf("%s: %w (left as it is)", path, err)
+	}
+	bin, err := os.ReadFile(*plugin)
+	if err != nil {
+		return fmt.Errorf("read the podfence binary: %w", err)
+	}
+	dst := filepath.Join(cf.binDir, cniconf.PluginType)
+	if old, err := os.ReadFile(dst); err != nil || string(old) != string(bin) {
+		if err := cniconf.WriteFileAtomic(dst, bin, 0o755); err != nil {
+			return fmt.Errorf("install %s: %w", dst, err)
+		}
+		fmt.Fprintf(stdout, "installed %s\n", dst)
+	}
+	if !changed {
+		fmt.Fprintf(stdout, "%s already chains podfence last\n", path)
+		return nil
+	}
+	if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	fmt.Fprintf(stdout, "chained podfence last in %s\n", path)
+	return nil
+}
+
+// cmdUninstallCNI takes podfence out of the conflist, then removes its
+// binary: the runtime stops calling it before it goes.
+func cmdUninstallCNI(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("uninstall-cni", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cf cniFlags
+	cf.register(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	path, err := cf.find()
+	if err != nil {
+		return err
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("read conflist: %w", err)
+	}
+	out, changed, err := cniconf.Unchain(data)
+	if err != nil {
+		return fmt.Errorf("%s: %w (left as it is)", path, err)
+	}
+	if changed {
+		if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
+			return fmt.Errorf("write %s: %w", path, err)
+		}
+		fmt.Fprintf(stdout, "removed podfence from %s\n", path)
+	}
+	dst := filepath.Join(cf.binDir, cniconf.PluginType)
+	if err := os.Remove(dst); err == nil {
+		fmt.Fprintf(stdout, "removed %s\n", dst)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", dst, err)
+	}
+	return nil
+}
