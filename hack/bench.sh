@@ -121,3 +121,18 @@ echo "$out" | awk '/^BenchmarkEventPath/ {
 	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
 	printf "  p50 %s µs, p99 %s µs\n", v["p50-µs"], v["p99-µs"]
 }'
+
+# Live policy, file path (issue 11): rename-write to enforced, and one
+# apply of 1,000 documents into 100 identifiers.
+echo
+echo "live policy from files (BenchmarkPolicy)"
+go test -c -o /tmp/podfence-e2e.test ./test/e2e/
+out=$(cd test/e2e && /tmp/podfence-e2e.test -test.run '^$' -test.bench 'BenchmarkPolicy' -test.benchtime 1x)
+rm -f /tmp/podfence-e2e.test
+echo "$out" | awk '/^BenchmarkPolicy\// {
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+}
+END {
+	printf "  change to enforced: p50 %s ms, p99 %s ms (target p99 < 1000)\n", v["change-p50-ms"], v["change-p99-ms"]
+	printf "  apply 1,000 documents to 100 identifiers: %s ms, peak RSS %s MiB (targets < 5000 ms, < 200 MiB)\n", v["apply-ms"], v["peak-RSS-MiB"]
+}'

@@ -15,7 +15,7 @@ import (
 
 // renamePolicy writes a policy file the way editors and ConfigMap updates
 // do: a hidden temporary file renamed over the old one.
-func (c *cluster) renamePolicy(t *testing.T, name, doc string) {
+func (c *cluster) renamePolicy(t testing.TB, name, doc string) {
 	t.Helper()
 	tmp := filepath.Join(c.policyDir, "."+name+".tmp")
 	if err := os.WriteFile(tmp, []byte(doc), 0o644); err != nil {
@@ -26,7 +26,7 @@ func (c *cluster) renamePolicy(t *testing.T, name, doc string) {
 	}
 }
 
-func (c *cluster) generation(t *testing.T, id podid.ID) uint32 {
+func (c *cluster) generation(t testing.TB, id podid.ID) uint32 {
 	t.Helper()
 	info, err := bpf.InspectIdentifier(c.pinRoot, id)
 	if err != nil {

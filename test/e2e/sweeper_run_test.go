@@ -24,7 +24,7 @@ import (
 
 // runSweeper starts `podfence-sweeper run` in the node namespace. Its
 // metrics listen on the node namespace's loopback.
-func (c *cluster) runSweeper(t *testing.T, args ...string) (*exec.Cmd, *syncBuffer) {
+func (c *cluster) runSweeper(t testing.TB, args ...string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	all := append([]string{"run", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--metrics-addr", "127.0.0.1:9465"}, args...)
 	cmd := exec.Command(filepath.Join(binDir, "podfence-sweeper"), all...)
@@ -82,7 +82,7 @@ func (c *cluster) get(path string) (string, error) {
 }
 
 // waitHealthy polls /healthz until it answers 200.
-func (c *cluster) waitHealthy(t *testing.T) {
+func (c *cluster) waitHealthy(t testing.TB) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
