@@ -186,6 +186,9 @@ func (r *runner) loop(ctx context.Context) error {
 		case <-pw.Failed:
 			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
 			pw.Close()
+			if err := os.MkdirAll(r.policyDir, 0o755); err != nil { // removed: no documents
+				return fmt.Errorf("policy directory: %w", err)
+			}
 			if pw, err = policywatch.New(r.policyDir, 0); err != nil {
 				return err
 			}

@@ -146,3 +146,45 @@ func TestSweeperRunLivePolicy(t *testing.T) {
 }
 
 func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
+
+// TestSweeperRunPolicyDirRemoved: the policy directory removed under a
+// running sweeper holds no documents: the pods return to their default,
+// and documents written into the directory made again are followed.
+func TestSweeperRunPolicyDirRemoved(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client := c.addPod("client", "default")
+	c.writePolicy("web", backendPolicy(netip.MustParseAddr("10.1.2.3"), backendPort))
+	web := c.addPod(webReplicas[0], "default")
+	netnsutilListen(t, web, backendPort)
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	c.waitHealthy(t)
+	if c.connects(client, web, backendPort) {
+		t.Fatal("the policy does not hold before the test")
+	}
+
+	id := podid.ID(webID)
+	gen := c.generation(t, id)
+	changed := time.Now()
+	if err := os.RemoveAll(c.policyDir); err != nil {
+		t.Fatal(err)
+	}
+	c.waitGeneration(t, id, gen, changed)
+	if !c.connects(client, web, backendPort) {
+		t.Fatal("the pod stayed closed after its policy directory went")
+	}
+
+	deadline := time.Now().Add(2 * time.Second)
+	for !strings.Contains(logs.String(), "policy directory watched again") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the directory is not watched again 2s after its removal; log:\n%s", logs)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	gen = c.generation(t, id)
+	changed = time.Now()
+	c.renamePolicy(t, "web", backendPolicy(netip.MustParseAddr("10.1.2.3"), backendPort))
+	c.waitGeneration(t, id, gen, changed)
+	if c.connects(client, web, backendPort) {
+		t.Error("a policy written into the re-made directory is not enforced")
+	}
+}
