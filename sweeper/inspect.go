@@ -141,15 +141,10 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 			}
 			v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()
 		}
-		lock, err := store.Lock(id, false)
+		sc, err := store.ScanIdentifier(id)
 		if errors.Is(err, membership.ErrNoIdentifier) {
 			continue // its last member left meanwhile
 		}
-		if err != nil {
-			return nil, err
-		}
-		sc, err := lock.Scan()
-		lock.Unlock()
 		if err != nil {
 			return nil, err
 		}

@@ -204,6 +204,18 @@ func (l *Lock) Scan() (Scan, error) {
 	return sc, nil
 }
 
+// ScanIdentifier is Scan under the identifier's lock, released before it
+// returns: for readers that only look. An identifier gone meanwhile (its
+// last member left) is ErrNoIdentifier.
+func (s *Store) ScanIdentifier(id podid.ID) (Scan, error) {
+	lock, err := s.Lock(id, false)
+	if err != nil {
+		return Scan{}, err
+	}
+	defer lock.Unlock()
+	return lock.Scan()
+}
+
 // Member reads one member's record.
 func (l *Lock) Member(key string) (Member, error) {
 	target, err := os.Readlink(filepath.Join(l.MemberDir(key), pinpath.Record))

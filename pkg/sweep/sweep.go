@@ -322,15 +322,10 @@ func (s *Sweeper) readOwners() (map[netip.Addr][]uint32, error) {
 		return nil, err
 	}
 	for _, id := range ids {
-		lock, err := s.store.Lock(id, false)
+		sc, err := s.store.ScanIdentifier(id)
 		if errors.Is(err, membership.ErrNoIdentifier) {
 			continue
 		}
-		if err != nil {
-			return nil, err
-		}
-		sc, err := lock.Scan()
-		lock.Unlock()
 		if err != nil {
 			return nil, err
 		}
