@@ -419,13 +419,6 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	}
 	defer g.Close()
 	n, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
-	var recorded error
-	if errors.Is(err, sweep.ErrInvalidPolicy) {
-		recorded = err
-	}
-	if rerr := sweep.RecordPolicyStatus(c.pinRoot, recorded); rerr != nil && err == nil {
-		err = rerr
-	}
 	if err != nil {
 		return err
 	}

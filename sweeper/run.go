@@ -231,35 +231,25 @@ func (r *runner) logPass(rep sweep.Report) {
 }
 
 // applyPolicies programs every identifier with what the policy directory
-// says. An invalid directory changes nothing; the refusal is logged,
-// counted and recorded for ls.
+// says. An invalid directory changes nothing; the refusal is logged and
+// counted (ReapplyPolicies records it for ls).
 func (r *runner) applyPolicies(why string) {
 	start := time.Now()
 	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
-	invalid := errors.Is(err, sweep.ErrInvalidPolicy)
-	if invalid {
+	if errors.Is(err, sweep.ErrInvalidPolicy) {
 		r.m.policyValid.Set(0)
-	} else {
-		r.m.policyValid.Set(1)
-		r.m.policyApplies.Inc()
-	}
-	var recorded error
-	if invalid {
-		recorded = err
-	}
-	if rerr := sweep.RecordPolicyStatus(r.pinRoot, recorded); rerr != nil {
-		r.log.Error("record the policy status", "error", rerr)
-	}
-	switch {
-	case invalid:
 		r.m.policyErrors.Inc()
 		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why, "error", err)
-	case err != nil:
+		return
+	}
+	r.m.policyValid.Set(1)
+	r.m.policyApplies.Inc()
+	if err != nil {
 		r.m.policyErrors.Inc()
 		r.log.Error("program identifiers with the policy", "why", why, "identifiers_programmed", n, "error", err)
-	default:
-		r.log.Info("policy programmed", "why", why, "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
+		return
 	}
+	r.log.Info("policy programmed", "why", why, "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
 }
 
 // syncNodeAddrs writes the node's addresses and, when they changed,

@@ -21,11 +21,16 @@ var ErrInvalidPolicy = errors.New("invalid policy directory")
 // policyDir says for it, in the mode its state records, under its lock:
 // after the node's addresses change, the tries' always-allowed entries
 // follow (bpf.Identifier.ApplyPolicy writes them). It returns how many
-// identifiers it programmed. An invalid policy directory changes nothing.
+// identifiers it programmed. An invalid policy directory changes nothing;
+// whether it loaded is recorded in the pin root for ls (ReadPolicyStatus).
 func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
 	docs, err := policy.LoadDir(policyDir)
 	if err != nil {
-		return 0, fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
+		err = fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
+		return 0, errors.Join(err, recordPolicyStatus(pinRoot, err))
+	}
+	if err := recordPolicyStatus(pinRoot, nil); err != nil {
+		return 0, err
 	}
 	store := membership.New(pinRoot)
 	ids, err := store.Identifiers()
@@ -78,10 +83,10 @@ type PolicyStatus struct {
 // maxStatusError keeps the record's symlink target below PATH_MAX.
 const maxStatusError = 2048
 
-// RecordPolicyStatus records the outcome of loading the policy directory
+// recordPolicyStatus records the outcome of loading the policy directory
 // in the pin root, for ls: err nil removes the record; an error keeps the
 // time of the first failure in a row.
-func RecordPolicyStatus(pinRoot string, err error) error {
+func recordPolicyStatus(pinRoot string, err error) error {
 	path := pinpath.Root(pinRoot).PolicyError()
 	if err == nil {
 		if rerr := os.Remove(path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
@@ -112,7 +117,7 @@ func RecordPolicyStatus(pinRoot string, err error) error {
 	return nil
 }
 
-// ReadPolicyStatus reads the record RecordPolicyStatus left; false when
+// ReadPolicyStatus reads the record ReapplyPolicies left; false when
 // the policy directory was valid when last loaded.
 func ReadPolicyStatus(pinRoot string) (PolicyStatus, bool, error) {
 	target, err := os.Readlink(pinpath.Root(pinRoot).PolicyError())
