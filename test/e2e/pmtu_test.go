@@ -52,7 +52,7 @@ func TestPathMTUThroughClosedIngress(t *testing.T) {
 
 			c.writePolicy("client", egressOnly("client", tcpRule(serverAddr.Masked().String(), bulkPort)))
 			client := c.addPod("client", "default")
-			routeLikeCluster(t, client.netns, serverAddr.Masked())
+			routeVia(t, client.netns, serverAddr.Masked())
 
 			got, err := streamTo(t, client.netns, server)
 			if err != nil {
@@ -101,25 +101,6 @@ func buildRoutedPath(t *testing.T, node, router, server ns.NetNS) {
 	})
 	netnsutil.Do(t, node, func() error {
 		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644)
-	})
-}
-
-// routeLikeCluster sends the pod's traffic for dst the way its traffic for
-// the cluster goes: the test's ptp conflist gives pods a route for the pod
-// range only.
-func routeLikeCluster(t *testing.T, pod ns.NetNS, dst netip.Prefix) {
-	t.Helper()
-	netnsutil.Do(t, pod, func() error {
-		routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
-		if err != nil {
-			return err
-		}
-		for _, r := range routes {
-			if r.Dst != nil && r.Dst.String() == podRange.String() && r.Gw != nil {
-				return netlink.RouteAdd(&netlink.Route{LinkIndex: r.LinkIndex, Dst: prefixNet(dst), Gw: r.Gw})
-			}
-		}
-		return fmt.Errorf("no route for %s in the pod: %v", podRange, routes)
 	})
 }
 

@@ -40,7 +40,7 @@ const (
 )
 
 // nft loads rules into the node namespace; the tables go with it.
-func (c *cluster) nft(t *testing.T, rules string) {
+func (c *cluster) nft(t testing.TB, rules string) {
 	t.Helper()
 	cmd := exec.Command("nft", "-f", "-")
 	cmd.Stdin = strings.NewReader(rules)

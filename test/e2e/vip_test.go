@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -48,7 +46,7 @@ func TestServiceVIPConnection(t *testing.T) {
 			echoServer(t, web.netns, backendPort)
 			c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
 			for _, p := range []*pod{client, stranger} {
-				routeLikeCluster(t, p.netns, serviceVIP)
+				routeVia(t, p.netns, serviceVIP)
 			}
 
 			if conn, err := dialEcho(stranger.netns); err == nil {
@@ -120,24 +118,13 @@ func backendPolicy(client netip.Addr, ports ...uint16) string {
 // kube-proxy's nftables mode does. The table goes with the node namespace.
 func (c *cluster) dnat(vip netip.Addr, port uint16, backend netip.Addr, backendPort uint16) {
 	c.t.Helper()
-	rules := fmt.Sprintf(`table ip podfence_e2e {
+	c.nft(c.t, fmt.Sprintf(`table ip podfence_e2e {
 	chain prerouting {
 		type nat hook prerouting priority dstnat;
 		ip daddr %s tcp dport %d dnat to %s:%d
 	}
 }
-`, vip, port, backend, backendPort)
-	cmd := exec.Command("nft", "-f", "-")
-	cmd.Stdin = strings.NewReader(rules)
-	if err := c.inNode(func() error {
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("nft: %w: %s", err, out)
-		}
-		return nil
-	}); err != nil {
-		c.t.Fatal(err)
-	}
+`, vip, port, backend, backendPort))
 }
 
 // applyPolicy programs what the policy directory now says for id into its
@@ -229,16 +216,7 @@ type echoConn struct {
 
 // dialEcho connects from n to the service VIP.
 func dialEcho(n ns.NetNS) (*echoConn, error) {
-	var conn net.Conn
-	err := n.Do(func(ns.NetNS) error {
-		var err error
-		conn, err = net.DialTimeout("tcp4", netip.AddrPortFrom(serviceVIP.Addr(), servicePort).String(), 500*time.Millisecond)
-		return err
-	})
-	if err != nil {
-		return nil, err
-	}
-	return &echoConn{Conn: conn, r: bufio.NewReader(conn)}, nil
+	return dialFrom(n, netip.AddrPortFrom(serviceVIP.Addr(), servicePort))
 }
 
 // roundTrip sends msg and expects it back within a second. A dropped
