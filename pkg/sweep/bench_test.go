@@ -52,28 +52,7 @@ func BenchmarkPass(b *testing.B) {
 		live  = 100_000
 		stale = 900_000
 	)
-	kernel.RequireRoot(b)
-	pinRoot := kernel.PinRoot(b)
-	pair := netnsutil.NewPair(b)
-
-	g, err := bpf.OpenGlobalWith(pinRoot, bpf.GlobalOptions{CTv4Entries: 1 << 21, CTv6Entries: bpf.MinCTEntries})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer g.Close()
-	// The entries' owner: a member whose veth exists, so that entries are
-	// judged by the kernel table rather than removed as the owner's.
-	id := podid.ID("bench-7f65cc6544@default")
-	lock, err := membership.New(pinRoot).Lock(id, true)
-	if err != nil {
-		b.Fatal(err)
-	}
-	err = lock.Put(membership.Member{ContainerID: "bench", IfName: "eth0", HostVeth: pair.HostVeth,
-		HostIfindex: pair.HostIndex, AttachMode: "tcx"})
-	lock.Unlock()
-	if err != nil {
-		b.Fatal(err)
-	}
+	pinRoot, pair, g := newNode(b, bpf.GlobalOptions{CTv4Entries: 1 << 21, CTv6Entries: bpf.MinCTEntries})
 
 	ct, err := conntrack.Dial(&netlink.Config{NetNS: int(pair.Node.Fd())})
 	if err != nil {
@@ -144,6 +123,32 @@ func BenchmarkPass(b *testing.B) {
 	b.ReportMetric(seedT.Seconds()/passT.Seconds(), "seed-x-slower")
 	b.ReportMetric((live+stale)*n/passT.Seconds(), "entries/s")
 	b.ReportMetric(float64(peak)/(1<<20), "peak-RSS-MiB")
+}
+
+// newNode is a node for a sweeper: a private pin root with the global maps
+// (closed when the test ends), a node namespace with one pod's veth, and a
+// member of that veth with the given addresses, so that entries on its
+// ifindex have a live owner and are judged by the kernel table.
+func newNode(tb testing.TB, opts bpf.GlobalOptions, ips ...netip.Prefix) (string, *netnsutil.Pair, *bpf.Global) {
+	tb.Helper()
+	pinRoot := kernel.PinRoot(tb)
+	pair := netnsutil.NewPair(tb)
+	g, err := bpf.OpenGlobalWith(pinRoot, opts)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { g.Close() })
+	lock, err := membership.New(pinRoot).Lock(podid.ID("web-7f65cc6544@default"), true)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer lock.Unlock()
+	err = lock.Put(membership.Member{ContainerID: "c1", IfName: "eth0", HostVeth: pair.HostVeth,
+		HostIfindex: pair.HostIndex, IPs: ips, AttachMode: "tcx"})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return pinRoot, pair, g
 }
 
 // benchKeys are n UDP keys of distinct sources, from index first, with last
@@ -320,25 +325,8 @@ func discard() *slog.Logger { return slog.New(slog.DiscardHandler) }
 // destruction (the ctnetlink delete returning) to its entry's deletion by
 // Follow, with no pass running: p50 and p99 over b.N flows.
 func BenchmarkEventPath(b *testing.B) {
-	kernel.RequireRoot(b)
-	pinRoot := kernel.PinRoot(b)
-	pair := netnsutil.NewPair(b)
-	g, err := bpf.OpenGlobal(pinRoot)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer g.Close()
 	pod := netip.MustParseAddr("10.64.0.1")
-	lock, err := membership.New(pinRoot).Lock("bench-7f65cc6544@default", true)
-	if err != nil {
-		b.Fatal(err)
-	}
-	err = lock.Put(membership.Member{ContainerID: "bench", IfName: "eth0", HostVeth: pair.HostVeth,
-		HostIfindex: pair.HostIndex, IPs: []netip.Prefix{netip.PrefixFrom(pod, 32)}, AttachMode: "tcx"})
-	lock.Unlock()
-	if err != nil {
-		b.Fatal(err)
-	}
+	pinRoot, pair, g := newNode(b, bpf.GlobalOptions{}, netip.PrefixFrom(pod, 32))
 	ct, err := conntrack.Dial(&netlink.Config{NetNS: int(pair.Node.Fd())})
 	if err != nil {
 		b.Fatal(err)

@@ -8,8 +8,6 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/liveness"
-	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/test/kernel"
 	"github.com/podfence/podfence/test/netnsutil"
 )
 
@@ -19,22 +17,7 @@ import (
 // rewrote the entry's last_seen for the new connection's first packet, so
 // the pass keeps it although the table it read has no flow for it.
 func TestPassKeepsReusedTuple(t *testing.T) {
-	pinRoot := kernel.PinRoot(t)
-	pair := netnsutil.NewPair(t)
-	g, err := bpf.OpenGlobal(pinRoot)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	lock, err := membership.New(pinRoot).Lock("web-7f65cc6544@default", true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = lock.Put(membership.Member{ContainerID: "c1", IfName: "eth0", HostVeth: pair.HostVeth, HostIfindex: pair.HostIndex, AttachMode: "tcx"})
-	lock.Unlock()
-	if err != nil {
-		t.Fatal(err)
-	}
+	pinRoot, pair, g := newNode(t, bpf.GlobalOptions{})
 
 	reused := bpf.CTKeyV4{Src: [4]byte{10, 64, 0, 1}, Dst: [4]byte{10, 200, 0, 1}, Ifindex: uint32(pair.HostIndex), Sport: 40000, Dport: 80, Proto: unix.IPPROTO_TCP}
 	closed := reused

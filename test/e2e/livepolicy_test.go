@@ -5,7 +5,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -76,13 +75,7 @@ func TestSweeperRunLivePolicy(t *testing.T) {
 	// A half-edited document: refused, nothing changes.
 	gen := c.generation(t, id)
 	c.renamePolicy(t, "web", "apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\nspec: [unclosed\n")
-	deadline := time.Now().Add(2 * time.Second)
-	for !strings.Contains(logs.String(), "policy directory refused") {
-		if time.Now().After(deadline) {
-			t.Fatalf("no refusal logged 2s after an invalid document; log:\n%s", logs)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	logs.waitFor(t, "policy directory refused", 2*time.Second)
 	page, err := c.get("/metrics")
 	if err != nil {
 		t.Fatal(err)
@@ -173,13 +166,7 @@ func TestSweeperRunPolicyDirRemoved(t *testing.T) {
 		t.Fatal("the pod stayed closed after its policy directory went")
 	}
 
-	deadline := time.Now().Add(2 * time.Second)
-	for !strings.Contains(logs.String(), "policy directory watched again") {
-		if time.Now().After(deadline) {
-			t.Fatalf("the directory is not watched again 2s after its removal; log:\n%s", logs)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	logs.waitFor(t, "policy directory watched again", 2*time.Second)
 	gen = c.generation(t, id)
 	changed = time.Now()
 	c.renamePolicy(t, "web", backendPolicy(netip.MustParseAddr("10.1.2.3"), backendPort))

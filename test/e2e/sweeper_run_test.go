@@ -57,6 +57,19 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 	return s.b.Write(p)
 }
 
+// waitFor polls the log until it contains text, failing the test after
+// within with what the log held.
+func (s *syncBuffer) waitFor(t testing.TB, text string, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !strings.Contains(s.String(), text) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q in the sweeper's log after %v; log:\n%s", text, within, s)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -222,13 +235,7 @@ func TestSweeperRunWarnsWhenFull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !strings.Contains(logs.String(), "conntrack map nearly full") {
-		if time.Now().After(deadline) {
-			t.Fatalf("no warning 10s after the map was 93%% full; log:\n%s", logs)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	logs.waitFor(t, "conntrack map nearly full", 10*time.Second) // 950 of 1024: 93%
 	page, err := c.get("/metrics")
 	if err != nil {
 		t.Fatal(err)
