@@ -22,11 +22,20 @@ func (c *cniFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.binDir, "cni-bin-dir", "/opt/cni/bin", "the runtime's CNI plugin directory")
 }
 
-func (c *cniFlags) find() (string, error) {
-	if c.conflist != "" {
-		return c.conflist, nil
+// read returns the conflist's path and contents.
+func (c *cniFlags) read() (string, []byte, error) {
+	path := c.conflist
+	if path == "" {
+		var err error
+		if path, err = cniconf.FindConflist(c.confDir); err != nil {
+			return "", nil, err
+		}
 	}
-	return cniconf.FindConflist(c.confDir)
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", nil, fmt.Errorf("read conflist: %w", err)
+	}
+	return path, data, nil
 }
 
 // cmdInstallCNI installs the podfence binary into the plugin directory and
@@ -50,13 +59,9 @@ func cmdInstallCNI(args []string, stdout, stderr io.Writer) error {
 		}
 		*plugin = filepath.Join(filepath.Dir(self), "podfence")
 	}
-	path, err := cf.find()
+	path, data, err := cf.read()
 	if err != nil {
 		return err
-	}
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return fmt.Errorf("read conflist: %w", err)
 	}
 	out, changed, err := cniconf.Chain(data, map[string]any{"pinRoot": *pinRoot, "policyDir": *policyDir})
 	if err != nil {
@@ -94,13 +99,9 @@ func cmdUninstallCNI(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	path, err := cf.find()
+	path, data, err := cf.read()
 	if err != nil {
 		return err
-	}
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return fmt.Errorf("read conflist: %w", err)
 	}
 	out, changed, err := cniconf.Unchain(data)
 	if err != nil {
