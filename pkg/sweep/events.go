@@ -84,15 +84,16 @@ func (s *Sweeper) ownersOf(addr netip.Addr) []uint32 {
 	return s.owners[addr]
 }
 
-// nodeIfindexes are the interfaces of the calling thread's namespace.
-func nodeIfindexes() (map[uint32]bool, error) {
+// nodeLinks are the names of the calling thread's namespace's interfaces,
+// by ifindex.
+func nodeLinks() (map[uint32]string, error) {
 	links, err := netlink.LinkList()
 	if err != nil {
 		return nil, fmt.Errorf("list interfaces: %w", err)
 	}
-	out := make(map[uint32]bool, len(links))
+	out := make(map[uint32]string, len(links))
 	for _, l := range links {
-		out[uint32(l.Attrs().Index)] = true
+		out[uint32(l.Attrs().Index)] = l.Attrs().Name
 	}
 	return out, nil
 }

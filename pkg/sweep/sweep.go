@@ -246,6 +246,10 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 	if err != nil {
 		return live, nil, fmt.Errorf("list identifiers: %w", err)
 	}
+	// One link list for the pass rather than a netlink socket per member.
+	// It may predate a member added meanwhile, so a veth it lacks is
+	// looked up again, under the member's lock, before it counts as gone.
+	links, linksErr := nodeLinks()
 	now := time.Now()
 	seen := map[string]bool{}
 	owners := map[netip.Addr][]uint32{}
@@ -263,10 +267,13 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 				// before writing it), but its DEL or GC removes it.
 				return false
 			}
-			present, err := lifecycle.VethPresent(*m)
-			if err != nil {
-				errs = append(errs, err)
-				present = true
+			present := linksErr == nil && links[uint32(m.HostIfindex)] == m.HostVeth
+			if !present {
+				var err error
+				if present, err = lifecycle.VethPresent(*m); err != nil {
+					errs = append(errs, err)
+					present = true
+				}
 			}
 			mk := string(id) + "/" + key
 			seen[mk] = true
@@ -305,11 +312,13 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 	s.owners, s.ownersRead = owners, now
 	s.ownersMu.Unlock()
 	if unreadable {
-		links, err := nodeIfindexes()
-		if err != nil {
-			errs = append(errs, err)
+		if linksErr != nil {
+			errs = append(errs, linksErr)
 		}
-		live.any = links
+		live.any = make(map[uint32]bool, len(links))
+		for ifindex := range links {
+			live.any[ifindex] = true
+		}
 	}
 	return live, orphans, errors.Join(errs...)
 }
