@@ -23,7 +23,15 @@ var ErrInvalidPolicy = errors.New("invalid policy directory")
 // follow (bpf.Identifier.ApplyPolicy writes them). It returns how many
 // identifiers it programmed. An invalid policy directory changes nothing;
 // whether it loaded is recorded in the pin root for ls (ReadPolicyStatus).
+// A directory whose mirror has not synced yet (policy.ErrUnsynced) changes
+// nothing either: the identifiers keep enforcing what they have.
 func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
+	switch synced, err := policy.Synced(policyDir); {
+	case err != nil:
+		return 0, err
+	case !synced:
+		return 0, fmt.Errorf("%s: %w", policyDir, policy.ErrUnsynced)
+	}
 	docs, err := policy.LoadDir(policyDir)
 	if err != nil {
 		err = fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
