@@ -6,6 +6,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/sweep"
 )
 
@@ -24,6 +25,11 @@ type metrics struct {
 	policyApplies prometheus.Counter
 	policyErrors  prometheus.Counter
 	policyValid   prometheus.Gauge
+	mirrorSynced  prometheus.Gauge
+	mirrorObjects prometheus.Gauge
+	mirrorInvalid prometheus.Gauge
+	mirrorWrites  prometheus.Counter
+	mirrorErrors  prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
@@ -56,9 +62,20 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 			Name: "podfence_policy_errors_total", Help: "Times the policy directory did not load, or an identifier could not be programmed."}),
 		policyValid: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policy_valid", Help: "1 when the policy directory loaded at the last change, 0 when identifiers keep their last good policy."}),
+		mirrorSynced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policy_source_synced", Help: "With --policy-source=kubernetes: 1 once the first full sync with the API is in the policy directory."}),
+		mirrorObjects: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policyendpoints_selected", Help: "PolicyEndpoints that select a pod on this node, at the last reconcile."}),
+		mirrorInvalid: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policyendpoints_invalid", Help: "PolicyEndpoints of this node that podfence cannot parse, at the last reconcile; each keeps its last good file."}),
+		mirrorWrites: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_policyendpoint_file_writes_total", Help: "Policy files written or removed to follow the API."}),
+		mirrorErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "podfence_policyendpoint_mirror_errors_total", Help: "Reconciles of the policy directory with the API that failed (retried after a second)."}),
 	}
 	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
 		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
+		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorWrites, m.mirrorErrors,
 		&packetCollector{pinRoot: pinRoot})
 	// Every reason appears from the start, at 0.
 	for r := range liveness.DeletedDead + 1 {
@@ -110,4 +127,14 @@ func (c *packetCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Allowed()), string(id), "allowed")
 		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Denied()), string(id), "denied")
 	}
+}
+
+func (m *metrics) mirror(rep policymirror.Report, err error) {
+	m.mirrorWrites.Add(float64(rep.Written + rep.Removed))
+	if err != nil {
+		m.mirrorErrors.Inc()
+		return // the counts of a failed reconcile describe nothing
+	}
+	m.mirrorObjects.Set(float64(rep.Selected))
+	m.mirrorInvalid.Set(float64(rep.Invalid))
 }

@@ -21,6 +21,8 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/policywatch"
 	"github.com/podfence/podfence/pkg/sweep"
 )
@@ -37,10 +39,18 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	minInterval := fs.Duration("interval-min", sweep.DefaultInterval.Min, "shortest time between full passes")
 	maxInterval := fs.Duration("interval-max", sweep.DefaultInterval.Max, "longest time between full passes")
 	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir: followed, and programmed into every identifier as it changes")
+	source := fs.String("policy-source", sourceFiles, "where policy comes from: files (policyDir, written by hand or a config tool) or kubernetes (PolicyEndpoints selecting this node's pods, mirrored into policyDir)")
+	kubeconfig := fs.String("kubeconfig", "", "with --policy-source=kubernetes: kubeconfig file (empty: the pod's in-cluster ServiceAccount)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	eventBuffer := fs.Int("event-buffer", ctnetlink.DefaultEventsReadBuffer, "receive buffer for conntrack destroy events, in bytes; events past it are lost and cause a full pass")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if *source != sourceFiles && *source != sourceKubernetes {
+		return usageError{fmt.Errorf("--policy-source %q: want %s or %s", *source, sourceFiles, sourceKubernetes)}
+	}
+	if *kubeconfig != "" && *source != sourceKubernetes {
+		return usageError{fmt.Errorf("--kubeconfig needs --policy-source=%s", sourceKubernetes)}
 	}
 	if *eventBuffer <= 0 {
 		return usageError{fmt.Errorf("--event-buffer %d: need a positive size", *eventBuffer)}
@@ -75,6 +85,18 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	}
 	reg := prometheus.NewRegistry()
 	r.m = newMetrics(reg, c.pinRoot)
+	if *source == sourceKubernetes {
+		if r.mirror, err = newMirror(*kubeconfig, *policyDir, r.m, log); err != nil {
+			return err
+		}
+	} else if synced, err := policy.Synced(*policyDir); err == nil && !synced {
+		// A run with --policy-source=kubernetes stopped before its first
+		// sync. With files as the source, the files are the truth.
+		if err := policy.MarkSynced(*policyDir); err != nil {
+			return err
+		}
+		log.Warn("removed the unsynced mark a Kubernetes-source run left; the policy files are the source now", "dir", *policyDir)
+	}
 	if *metricsAddr != "" {
 		srv, err := r.serve(*metricsAddr, reg)
 		if err != nil {
@@ -93,6 +115,7 @@ type runner struct {
 	log       *slog.Logger
 	pinRoot   string
 	policyDir string
+	mirror    *policymirror.Mirror // nil with --policy-source=files
 	interval  sweep.Interval
 	healthy   atomic.Bool
 	wake      chan struct{} // a full pass is wanted now (lost events)
@@ -168,6 +191,20 @@ func (r *runner) loop(ctx context.Context) error {
 	defer func() { pw.Close() }()
 	r.applyPolicies("start")
 
+	// The mirror writes into the directory pw follows, and also says when
+	// its first sync is complete (the marker it removes is hidden from pw).
+	var mirrored <-chan struct{}
+	if r.mirror != nil {
+		mirrored = r.mirror.Changed()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := r.mirror.Run(ctx); err != nil && ctx.Err() == nil {
+				r.log.Error("following PolicyEndpoints stopped", "error", err)
+			}
+		}()
+	}
+
 	wait := r.interval.Min
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -182,6 +219,14 @@ func (r *runner) loop(ctx context.Context) error {
 			continue
 		case <-pw.C:
 			r.applyPolicies("policy files changed")
+			continue
+		case <-mirrored:
+			select {
+			case <-r.mirror.Synced():
+				r.m.mirrorSynced.Set(1)
+			default:
+			}
+			r.applyPolicies("PolicyEndpoints changed")
 			continue
 		case <-pw.Failed:
 			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
@@ -236,6 +281,10 @@ func (r *runner) logPass(rep sweep.Report) {
 func (r *runner) applyPolicies(why string) {
 	start := time.Now()
 	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	if errors.Is(err, policy.ErrUnsynced) {
+		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why)
+		return
+	}
 	if errors.Is(err, sweep.ErrInvalidPolicy) {
 		r.m.policyValid.Set(0)
 		r.m.policyErrors.Inc()
@@ -265,9 +314,12 @@ func (r *runner) syncNodeAddrs() {
 		return
 	}
 	r.m.nodeAddrSyncs.Inc()
+	if r.mirror != nil {
+		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
+	}
 	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", n)
-	if err != nil {
+	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)
 	}
 }

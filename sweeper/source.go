@@ -1,0 +1,50 @@
+package main
+
+import (
+	"fmt"
+	"log/slog"
+
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/policymirror"
+)
+
+// Policy sources of `run --policy-source`.
+const (
+	sourceFiles      = "files"
+	sourceKubernetes = "kubernetes"
+)
+
+// newMirror builds the Kubernetes policy source: PolicyEndpoints of this
+// node, mirrored into policyDir. kubeconfig empty means the in-cluster
+// configuration (the pod's ServiceAccount token).
+func newMirror(kubeconfig, policyDir string, m *metrics, log *slog.Logger) (*policymirror.Mirror, error) {
+	var cfg *rest.Config
+	var err error
+	if kubeconfig == "" {
+		cfg, err = rest.InClusterConfig()
+	} else {
+		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--policy-source=kubernetes: API client configuration: %w", err)
+	}
+	cfg.UserAgent = "podfence-sweeper"
+	log = log.With("source", sourceKubernetes)
+	policymirror.WatchReachability(cfg, log)
+	client, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("--policy-source=kubernetes: %w", err)
+	}
+	return policymirror.New(client, policymirror.Options{
+		Dir:       policyDir,
+		NodeAddrs: nodeaddr.List,
+		Log:       log,
+		OnReconcile: func(rep policymirror.Report, err error) {
+			m.mirror(rep, err)
+		},
+	})
+}
