@@ -14,6 +14,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -32,6 +33,8 @@ const (
 // sweeperObjects is what podfence-sweeper.yaml is expected to hold.
 type sweeperObjects struct {
 	serviceAccount *corev1.ServiceAccount
+	clusterRole    *rbacv1.ClusterRole
+	binding        *rbacv1.ClusterRoleBinding
 	daemonSet      *appsv1.DaemonSet
 }
 
@@ -73,6 +76,10 @@ func decodeDocument(doc string) (any, error) {
 		obj, wantAPIVersion = &corev1.ServiceAccount{}, "v1"
 	case "DaemonSet":
 		obj, wantAPIVersion = &appsv1.DaemonSet{}, "apps/v1"
+	case "ClusterRole":
+		obj, wantAPIVersion = &rbacv1.ClusterRole{}, "rbac.authorization.k8s.io/v1"
+	case "ClusterRoleBinding":
+		obj, wantAPIVersion = &rbacv1.ClusterRoleBinding{}, "rbac.authorization.k8s.io/v1"
 	default:
 		return nil, fmt.Errorf("unknown kind %q (apiVersion %q)", tm.Kind, tm.APIVersion)
 	}
@@ -141,8 +148,7 @@ func compareKeyCase(path string, original, roundTrip any) error {
 }
 
 // loadSweeperManifest decodes every document of podfence-sweeper.yaml and
-// fails the test unless it finds exactly one ServiceAccount and one
-// DaemonSet.
+// fails the test unless it finds exactly one of each kind it expects.
 func loadSweeperManifest(t *testing.T) sweeperObjects {
 	t.Helper()
 	data, err := os.ReadFile(sweeperManifest)
@@ -158,24 +164,27 @@ func loadSweeperManifest(t *testing.T) sweeperObjects {
 		}
 		switch obj := obj.(type) {
 		case *corev1.ServiceAccount:
-			if objs.serviceAccount != nil {
-				t.Fatalf("%s: more than one ServiceAccount", sweeperManifest)
-			}
-			objs.serviceAccount = obj
+			setOnce(t, &objs.serviceAccount, obj)
+		case *rbacv1.ClusterRole:
+			setOnce(t, &objs.clusterRole, obj)
+		case *rbacv1.ClusterRoleBinding:
+			setOnce(t, &objs.binding, obj)
 		case *appsv1.DaemonSet:
-			if objs.daemonSet != nil {
-				t.Fatalf("%s: more than one DaemonSet", sweeperManifest)
-			}
-			objs.daemonSet = obj
+			setOnce(t, &objs.daemonSet, obj)
 		}
 	}
-	if objs.serviceAccount == nil {
-		t.Fatalf("%s: no ServiceAccount", sweeperManifest)
-	}
-	if objs.daemonSet == nil {
-		t.Fatalf("%s: no DaemonSet", sweeperManifest)
+	if objs.serviceAccount == nil || objs.clusterRole == nil || objs.binding == nil || objs.daemonSet == nil {
+		t.Fatalf("%s: want a ServiceAccount, a ClusterRole, a ClusterRoleBinding and a DaemonSet, got %+v", sweeperManifest, objs)
 	}
 	return objs
+}
+
+func setOnce[T any](t *testing.T, dst **T, obj *T) {
+	t.Helper()
+	if *dst != nil {
+		t.Fatalf("%s: more than one %T", sweeperManifest, obj)
+	}
+	*dst = obj
 }
 
 // sweeperContainer returns the DaemonSet's only container.
@@ -185,10 +194,82 @@ func sweeperContainer(t *testing.T, ds *appsv1.DaemonSet) *corev1.Container {
 	if len(containers) != 1 {
 		t.Fatalf("DaemonSet has %d containers, want 1", len(containers))
 	}
-	if n := len(ds.Spec.Template.Spec.InitContainers); n != 0 {
-		t.Fatalf("DaemonSet has %d init containers, want none", n)
-	}
 	return &containers[0]
+}
+
+// installContainer returns the DaemonSet's only init container.
+func installContainer(t *testing.T, ds *appsv1.DaemonSet) *corev1.Container {
+	t.Helper()
+	inits := ds.Spec.Template.Spec.InitContainers
+	if len(inits) != 1 || inits[0].Name != "install-cni" {
+		t.Fatalf("DaemonSet init containers %+v, want exactly install-cni", inits)
+	}
+	return &inits[0]
+}
+
+// TestSweeperRBAC: the ServiceAccount may read PolicyEndpoints and nothing
+// else; test/e2e runs the sweeper with a token of that account.
+func TestSweeperRBAC(t *testing.T) {
+	objs := loadSweeperManifest(t)
+	role, binding := objs.clusterRole, objs.binding
+	want := []rbacv1.PolicyRule{{
+		APIGroups: []string{"networking.k8s.aws"},
+		Resources: []string{"policyendpoints"},
+		Verbs:     []string{"get", "list", "watch"},
+	}}
+	if fmt.Sprint(role.Rules) != fmt.Sprint(want) {
+		t.Errorf("ClusterRole rules = %+v, want exactly %+v", role.Rules, want)
+	}
+	if binding.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name}) {
+		t.Errorf("binding roleRef = %+v, want the ClusterRole %q", binding.RoleRef, role.Name)
+	}
+	wantSubject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: objs.serviceAccount.Name, Namespace: "kube-system"}
+	if !slices.Equal(binding.Subjects, []rbacv1.Subject{wantSubject}) {
+		t.Errorf("binding subjects = %+v, want exactly %+v", binding.Subjects, wantSubject)
+	}
+}
+
+// TestInstallCNIContainer: the init container chains podfence into the
+// host's CNI directories with the same pin root and policy directory the
+// sweeper uses, and with no capabilities.
+func TestInstallCNIContainer(t *testing.T) {
+	ds := loadSweeperManifest(t).daemonSet
+	c := installContainer(t, ds)
+	sweeper := sweeperContainer(t, ds)
+	if c.Image != sweeper.Image || !slices.Equal(c.Command, sweeper.Command) {
+		t.Errorf("install-cni runs %s %q, want the sweeper's image and binary", c.Image, c.Command)
+	}
+	if len(c.Args) == 0 || c.Args[0] != "install-cni" {
+		t.Fatalf("args = %q, want the install-cni subcommand first", c.Args)
+	}
+	for _, dir := range []struct{ flag, host string }{
+		{"--cni-conf-dir", "/etc/cni/net.d"},
+		{"--cni-bin-dir", "/opt/cni/bin"},
+	} {
+		i := slices.IndexFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, dir.flag+"=") })
+		if i < 0 {
+			t.Errorf("args = %q, missing %s", c.Args, dir.flag)
+			continue
+		}
+		mountPath := strings.TrimPrefix(c.Args[i], dir.flag+"=")
+		mount, hp := hostPathMount(t, ds, c, mountPath)
+		if hp.Path != dir.host || mount.ReadOnly {
+			t.Errorf("%s=%s is host %s (readOnly %v), want writable %s", dir.flag, mountPath, hp.Path, mount.ReadOnly, dir.host)
+		}
+		if hp.Type == nil || *hp.Type != corev1.HostPathDirectory {
+			t.Errorf("%s hostPath type = %v, want Directory (the primary CNI creates it)", dir.host, hp.Type)
+		}
+	}
+	for _, f := range []string{pinRootFlag, "--policy-dir=/etc/podfence/policies"} {
+		if !slices.Contains(c.Args, f) {
+			t.Errorf("args = %q, missing %s (the conflist entry must match the sweeper)", c.Args, f)
+		}
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		len(sc.Capabilities.Add) != 0 || sc.Privileged == nil || *sc.Privileged {
+		t.Errorf("install-cni securityContext = %+v, want unprivileged with every capability dropped", sc)
+	}
 }
 
 func TestSweeperManifestObjects(t *testing.T) {
@@ -400,8 +481,11 @@ func TestSweeperVolumes(t *testing.T) {
 	if policies.Path != "/etc/podfence/policies" {
 		t.Errorf("policies come from host %s, want /etc/podfence/policies", policies.Path)
 	}
-	if !policyMount.ReadOnly {
-		t.Error("policies must be mounted readOnly")
+	if policyMount.ReadOnly {
+		t.Error("policies are mounted read-only, but --policy-source=kubernetes mirrors into them")
+	}
+	if !slices.Contains(c.Args, "--policy-source=kubernetes") {
+		t.Errorf("args = %q, missing --policy-source=kubernetes", c.Args)
 	}
 
 	// Bidirectional propagation is only allowed for privileged containers.
