@@ -14,6 +14,10 @@ type endpointDoc struct {
 	pods            []string
 	isolate         []string
 	ingress, egress []docRule
+	// hostIP, when set, makes the document what the API holds: the pods'
+	// node and addresses, and the NetworkPolicy it came from, which the
+	// CRD requires and the plugin ignores.
+	hostIP string
 }
 
 // docRule is one rule: a CIDR, its excepts, and its ports (none: all).
@@ -42,8 +46,15 @@ func (d endpointDoc) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\n")
 	fmt.Fprintf(&b, "metadata: {name: %s, namespace: default}\nspec:\n", d.name)
+	if d.hostIP != "" {
+		fmt.Fprintf(&b, "  policyRef: {name: %s, namespace: default}\n", d.name)
+	}
 	fmt.Fprintf(&b, "  podIsolation: [%s]\n  podSelectorEndpoints:\n", strings.Join(d.isolate, ", "))
-	for _, p := range d.pods {
+	for i, p := range d.pods {
+		if d.hostIP != "" {
+			fmt.Fprintf(&b, "  - {name: %s, namespace: default, hostIP: %s, podIP: 10.88.%d.%d}\n", p, d.hostIP, i/250, i%250+1)
+			continue
+		}
 		fmt.Fprintf(&b, "  - {name: %s, namespace: default}\n", p)
 	}
 	for _, dir := range []struct {

@@ -1,0 +1,324 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/vishvananda/netlink"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/dynamic"
+	"sigs.k8s.io/yaml"
+
+	"github.com/podfence/podfence/pkg/policymirror"
+	"github.com/podfence/podfence/test/kubeapi"
+	"github.com/podfence/podfence/test/netnsutil"
+)
+
+// nodeIP is the node's address in the API tests: podSelectorEndpoints name
+// it as the hostIP of the pods on this node.
+var nodeIP = netip.MustParseAddr("192.0.2.10")
+
+// apiCluster is a cluster whose node namespace also runs an etcd and a
+// kube-apiserver, with the PolicyEndpoint CRD and conf/'s sweeper
+// manifest (its ServiceAccount and RBAC) installed for real.
+type apiCluster struct {
+	*cluster
+	api *kubeapi.Server
+	pes dynamic.NamespaceableResourceInterface
+	// kubeconfig holds a token of the sweeper's ServiceAccount, bound only
+	// to what conf/podfence-sweeper.yaml grants.
+	kubeconfig string
+}
+
+func newAPICluster(t testing.TB) *apiCluster {
+	t.Helper()
+	c := newCluster(t, attachModes(t)[0])
+	api := kubeapi.Start(t, kubeapi.Options{Netns: c.node})
+	ctx := context.Background()
+	api.InstallCRDs(ctx, readConf(t, "policyendpoints-crd.yaml"))
+	if _, err := api.Apply(ctx, readConf(t, "podfence-sweeper.yaml"), kubeapi.ApplyOptions{Namespace: "kube-system"}); err != nil {
+		t.Fatalf("apply conf/podfence-sweeper.yaml: %v", err)
+	}
+	token := api.ServiceAccountToken(ctx, "kube-system", "podfence-sweeper")
+	if err := c.inNode(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(nodeIP, 32))})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	_, dyn := api.Clients()
+	return &apiCluster{cluster: c, api: api, pes: dyn.Resource(policymirror.Resource),
+		kubeconfig: api.WriteKubeconfig("sweeper.kubeconfig", token)}
+}
+
+func readConf(t testing.TB, name string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "conf", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
+// runKubeSweeper starts `run --policy-source=kubernetes` as the
+// ServiceAccount.
+func (c *apiCluster) runKubeSweeper(t testing.TB) *syncBuffer {
+	t.Helper()
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h",
+		"--policy-source=kubernetes", "--kubeconfig", c.kubeconfig)
+	return logs
+}
+
+// object is d as the upstream controller writes it for pods on this node.
+func (d endpointDoc) object(tb testing.TB) *unstructured.Unstructured {
+	tb.Helper()
+	d.hostIP = nodeIP.String()
+	obj := &unstructured.Unstructured{}
+	if err := yaml.Unmarshal([]byte(d.String()), &obj.Object); err != nil {
+		tb.Fatalf("%s: %v", d.name, err)
+	}
+	return obj
+}
+
+// policyEndpoint isolates the ingress of the selected pods and lets each
+// client's /32 in on TCP port.
+func policyEndpoint(t *testing.T, name string, selected []string, port uint16, clients ...*pod) *unstructured.Unstructured {
+	d := endpointDoc{name: name, pods: selected, isolate: []string{"Ingress"}}
+	for _, cl := range clients {
+		d.ingress = append(d.ingress, tcpRule(cl.ip.String()+"/32", port))
+	}
+	return d.object(t)
+}
+
+func (c *apiCluster) create(t testing.TB, pe *unstructured.Unstructured) {
+	t.Helper()
+	if _, err := c.pes.Namespace("default").Create(context.Background(), pe, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create PolicyEndpoint: %v", err)
+	}
+}
+
+func (c *apiCluster) update(t testing.TB, pe *unstructured.Unstructured) {
+	t.Helper()
+	cur, err := c.pes.Namespace("default").Get(context.Background(), pe.GetName(), metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pe.SetResourceVersion(cur.GetResourceVersion())
+	if _, err := c.pes.Namespace("default").Update(context.Background(), pe, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("update PolicyEndpoint: %v", err)
+	}
+}
+
+func (c *apiCluster) delete(t *testing.T, name string) {
+	t.Helper()
+	if err := c.pes.Namespace("default").Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete PolicyEndpoint: %v", err)
+	}
+}
+
+// waitConnects dials from one pod to another, one short attempt at a time,
+// until the outcome is want or within has passed since since, and returns
+// when it was first seen.
+func waitConnects(t *testing.T, from, to *pod, port uint16, want bool, since time.Time, within time.Duration) time.Duration {
+	t.Helper()
+	for {
+		got := netnsutil.Connects(t, from.netns, netip.AddrPortFrom(to.ip, port), 100*time.Millisecond, 1)
+		took := time.Since(since)
+		if got == want {
+			return took
+		}
+		if took > within {
+			t.Fatalf("%s -> %s:%d connects=%v %v after the change, want %v", from.name, to.name, port, got, took, want)
+		}
+	}
+}
+
+// TestKubernetesPolicyLive: the sweeper, as its ServiceAccount, mirrors
+// the PolicyEndpoints of its node into policyDir. A pod whose
+// PolicyEndpoint existed before it gets the policy at ADD; creating,
+// updating and deleting one changes traffic within a second, and an
+// established connection the update revokes is cut.
+func TestKubernetesPolicyLive(t *testing.T) {
+	c := newAPICluster(t)
+	client := c.addPod("client", "default")
+	intruder := c.addPod("intruder", "default")
+	logs := c.runKubeSweeper(t)
+	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
+
+	// Before the pod: its ADD reads the mirrored file.
+	c.create(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, client))
+	file := filepath.Join(c.policyDir, policymirror.FileName("default", "web"))
+	deadline := time.Now().Add(time.Second)
+	for !exists(file) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not written a second after the PolicyEndpoint was created", file)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	if !c.connects(client, web, backendPort) {
+		t.Fatal("the client is not let in by the policy the pod got at ADD")
+	}
+	if c.connects(intruder, web, backendPort) {
+		t.Fatal("the intruder is let in: the pod's ADD did not get its PolicyEndpoint")
+	}
+	conn, err := dialFrom(client.netns, netip.AddrPortFrom(web.ip, backendPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if err := conn.roundTrip("before"); err != nil {
+		t.Fatal(err)
+	}
+
+	// Update: the intruder in, the client out, its connection cut.
+	changed := time.Now()
+	c.update(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, intruder))
+	took := waitConnects(t, intruder, web, backendPort, true, changed, time.Second)
+	t.Logf("update enforced %v after the API call", took)
+	if err := conn.roundTrip("after revocation"); err == nil {
+		t.Fatal("the connection the update revoked still carries data")
+	}
+	if c.connects(client, web, backendPort) {
+		t.Error("the client is still let in after the update")
+	}
+
+	// Delete: no policy selects the pod, standard mode opens it.
+	changed = time.Now()
+	c.delete(t, "web")
+	took = waitConnects(t, client, web, backendPort, true, changed, time.Second)
+	t.Logf("delete enforced %v after the API call", took)
+	if exists(file) {
+		t.Errorf("%s still there after its PolicyEndpoint was deleted", file)
+	}
+
+	// Create on a running pod.
+	changed = time.Now()
+	c.create(t, policyEndpoint(t, "web2", []string{webReplicas[0]}, backendPort, intruder))
+	took = waitConnects(t, client, web, backendPort, false, changed, time.Second)
+	t.Logf("create enforced %v after the API call", took)
+	if !c.connects(intruder, web, backendPort) {
+		t.Error("the created policy does not let the intruder in")
+	}
+
+	// A PolicyEndpoint of another node is not mirrored.
+	other := policyEndpoint(t, "elsewhere", []string{"elsewhere-pod"}, backendPort, client)
+	eps, _, _ := unstructured.NestedSlice(other.Object, "spec", "podSelectorEndpoints")
+	eps[0].(map[string]any)["hostIP"] = "192.0.2.99"
+	unstructured.SetNestedSlice(other.Object, eps, "spec", "podSelectorEndpoints")
+	c.create(t, other)
+	time.Sleep(300 * time.Millisecond)
+	if f := filepath.Join(c.policyDir, policymirror.FileName("default", "elsewhere")); exists(f) {
+		t.Errorf("%s written for a PolicyEndpoint whose pods run on another node", f)
+	}
+}
+
+// TestKubernetesPolicyAPIRestart: with the API server down the node keeps
+// enforcing the last policy; once it is back the watch resumes and a
+// change made then reaches the pod.
+func TestKubernetesPolicyAPIRestart(t *testing.T) {
+	c := newAPICluster(t)
+	client := c.addPod("client", "default")
+	intruder := c.addPod("intruder", "default")
+	c.create(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, client))
+	logs := c.runKubeSweeper(t)
+	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+
+	c.api.StopAPI()
+	logs.waitFor(t, "API server unreachable", 20*time.Second)
+	if !c.connects(client, web, backendPort) || c.connects(intruder, web, backendPort) {
+		t.Fatal("the node stopped enforcing the last policy while the API server was down")
+	}
+	if !exists(filepath.Join(c.policyDir, policymirror.FileName("default", "web"))) {
+		t.Fatal("the mirrored policy was removed while the API server was down")
+	}
+	c.api.StartAPI()
+	logs.waitFor(t, "API server reachable again", 30*time.Second)
+
+	// The reflector retries with a backoff of up to a few seconds; the
+	// change is made once the server answers, and must land.
+	changed := time.Now()
+	c.update(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, intruder))
+	took := waitConnects(t, intruder, web, backendPort, true, changed, 30*time.Second)
+	t.Logf("update after the API server restart enforced %v after the call", took)
+	if c.connects(client, web, backendPort) {
+		t.Error("the client is still let in after the update")
+	}
+}
+
+// TestKubernetesStrictUntilSynced: a sweeper that restarts while the API is
+// unreachable leaves what the policy directory held from its last run
+// marked unsynced. A strict pod added meanwhile opens nothing on the word
+// of those files, and gets the API's policy at the first sync; a
+// PolicyEndpoint deleted while no sweeper ran is removed then.
+func TestKubernetesStrictUntilSynced(t *testing.T) {
+	c := newAPICluster(t)
+	c.setPluginConf(t, "enforcingMode", "strict")
+	client := c.addPod("client", "default")
+	// Strict closes the client's egress too, until a policy opens it.
+	c.create(t, endpointDoc{name: "client-out", pods: []string{"client"}, isolate: []string{"Egress"},
+		egress: []docRule{tcpRule("0.0.0.0/0", backendPort)}}.object(t))
+	c.create(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, client))
+	c.create(t, policyEndpoint(t, "gone", []string{webReplicas[0]}, backendPort, client))
+	first, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h",
+		"--policy-source=kubernetes", "--kubeconfig", c.kubeconfig)
+	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
+	first.Process.Kill()
+	first.Wait()
+
+	// Meanwhile: "gone" deleted, and the API server down. The directory
+	// still holds both files from the last run.
+	c.delete(t, "gone")
+	c.api.StopAPI()
+	gone := filepath.Join(c.policyDir, policymirror.FileName("default", "gone"))
+	if !exists(gone) {
+		t.Fatal("test setup: the stopped sweeper's file is missing")
+	}
+	logs = c.runKubeSweeper(t)
+	logs.waitFor(t, "policy not programmed until the first sync", 10*time.Second)
+
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	if c.connects(client, web, backendPort) {
+		t.Fatal("a strict pod was opened by policy files not synced with the API")
+	}
+
+	c.api.StartAPI()
+	logs.waitFor(t, "policy directory synced with the API", 30*time.Second)
+	waitConnects(t, client, web, backendPort, true, time.Now(), 2*time.Second)
+	if exists(gone) {
+		t.Errorf("%s: deleted while no sweeper ran, still mirrored after the sync", gone)
+	}
+}
+
+// setPluginConf sets one key of podfence's entry in the cluster's conflist.
+func (c *cluster) setPluginConf(t *testing.T, key string, value any) {
+	t.Helper()
+	var conf map[string]any
+	if err := json.Unmarshal(c.confBytes, &conf); err != nil {
+		t.Fatal(err)
+	}
+	plugins := conf["plugins"].([]any)
+	plugins[len(plugins)-1].(map[string]any)[key] = value
+	data, err := json.Marshal(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.confBytes = data
+	if c.list, err = libcni.ConfListFromBytes(data); err != nil {
+		t.Fatal(err)
+	}
+}
