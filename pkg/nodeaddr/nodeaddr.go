@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -71,7 +72,7 @@ func Watch(done <-chan struct{}) (<-chan struct{}, error) {
 	if err != nil {
 		return nil, fmt.Errorf("follow node addresses: %w", err)
 	}
-	updates, err := subscribe(done, ns)
+	updates, err := subscribe(done, ns, true)
 	if err != nil {
 		ns.Close()
 		return nil, err
@@ -96,7 +97,7 @@ func Watch(done <-chan struct{}) (<-chan struct{}, error) {
 			case <-time.After(time.Second):
 			}
 			notify()
-			u, err := subscribe(done, ns)
+			u, err := renew(done, ns)
 			if err != nil {
 				u = make(chan netlink.AddrUpdate)
 				close(u) // try again in a second
@@ -107,9 +108,28 @@ func Watch(done <-chan struct{}) (<-chan struct{}, error) {
 	return out, nil
 }
 
-func subscribe(done <-chan struct{}, ns netns.NsHandle) (chan netlink.AddrUpdate, error) {
+// renew subscribes again from the watching goroutine's thread.
+func renew(done <-chan struct{}, ns netns.NsHandle) (chan netlink.AddrUpdate, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cur, err := netns.Get()
+	if err != nil {
+		return nil, fmt.Errorf("follow node addresses: %w", err)
+	}
+	defer cur.Close()
+	return subscribe(done, ns, cur.Equal(ns))
+}
+
+// subscribe opens an address subscription in ns. here says the calling
+// thread is in ns already: entering it costs setns(2), which needs
+// CAP_SYS_ADMIN, and the sweeper's DaemonSet does not grant that. A process
+// that never leaves its namespace (the sweeper) always subscribes here.
+func subscribe(done <-chan struct{}, ns netns.NsHandle, here bool) (chan netlink.AddrUpdate, error) {
 	updates := make(chan netlink.AddrUpdate, 64)
-	opts := netlink.AddrSubscribeOptions{Namespace: &ns, ReceiveBufferSize: 1 << 20, ErrorCallback: func(error) {}}
+	opts := netlink.AddrSubscribeOptions{ReceiveBufferSize: 1 << 20, ErrorCallback: func(error) {}}
+	if !here {
+		opts.Namespace = &ns
+	}
 	if err := netlink.AddrSubscribeWithOptions(updates, done, opts); err != nil {
 		return nil, fmt.Errorf("follow node addresses: %w", err)
 	}
