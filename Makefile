@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 generate test test-kernels bench demo lint check-generated clean
+.PHONY: all build build-arm64 image generate test test-kernels bench demo lint check-generated clean
 
 all: build
 
@@ -20,6 +20,13 @@ build-arm64:
 	CGO_ENABLED=0 GOARCH=arm64 $(GO) build $(PKGS)
 	CGO_ENABLED=0 GOARCH=arm64 $(GO) build -o $(BIN)/linux-arm64/podfence ./plugins/podfence
 	CGO_ENABLED=0 GOARCH=arm64 $(GO) build -o $(BIN)/linux-arm64/podfence-sweeper ./sweeper
+
+# bin/podfence-image.tar: the container image of conf/podfence-sweeper.yaml
+# (both static binaries in /usr/local/bin), written by a Go program, no
+# daemon; `ctr images import` or `crane push` take it from there.
+IMAGE ?= ghcr.io/podfence/podfence:latest
+image: build
+	$(GO) run ./hack/image -o $(BIN)/podfence-image.tar -ref $(IMAGE) $(BIN)/podfence $(BIN)/podfence-sweeper
 
 # Rebuild the bpf2go output from bpf/*.c (needs clang); the result is committed.
 generate:
