@@ -143,11 +143,7 @@ func buildImage(t *testing.T) (tarball, ref string) {
 // policy change that traffic then shows.
 func TestSweeperImageInContainerd(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
-	client := c.addPod("client", "default")
-	intruder := c.addPod("intruder", "default")
-	c.writePolicy("web", backendPolicy(client.ip, backendPort))
-	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	client, intruder, web := c.guardedWeb(t)
 
 	tarball, ref := buildImage(t)
 	d := startContainerd(t)

@@ -47,6 +47,18 @@ func (c *cluster) waitGeneration(t *testing.T, id podid.ID, old uint32, since ti
 	return time.Since(since)
 }
 
+// guardedWeb adds a client, an intruder, and a web pod with an echo server
+// on backendPort that the policy file "web" opens to the client only.
+func (c *cluster) guardedWeb(t *testing.T) (client, intruder, web *pod) {
+	t.Helper()
+	client = c.addPod("client", "default")
+	intruder = c.addPod("intruder", "default")
+	c.writePolicy("web", backendPolicy(client.ip, backendPort))
+	web = c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	return client, intruder, web
+}
+
 // TestSweeperRunLivePolicy: `run` follows the policy directory. An
 // invalid document changes nothing and says so (log, metric, ls); a
 // policy that revokes an established connection cuts it, by traffic,
@@ -54,11 +66,7 @@ func (c *cluster) waitGeneration(t *testing.T, id podid.ID, old uint32, since ti
 // standard mode's default, open.
 func TestSweeperRunLivePolicy(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
-	client := c.addPod("client", "default")
-	intruder := c.addPod("intruder", "default")
-	c.writePolicy("web", backendPolicy(client.ip, backendPort))
-	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	client, intruder, web := c.guardedWeb(t)
 	id := podid.ID(webID)
 	backend := web.ip.String() + ":8080"
 	conn, err := dialFrom(client.netns, mustAddrPort(backend))

@@ -94,6 +94,20 @@ func (c *cluster) get(path string) (string, error) {
 	return string(body), err
 }
 
+// addNodeAddr gives the node namespace one more address (on lo).
+func (c *cluster) addNodeAddr(t testing.TB, addr netip.Addr) {
+	t.Helper()
+	if err := c.inNode(func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(addr, 32))})
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // waitHealthy polls /healthz until it answers 200.
 func (c *cluster) waitHealthy(t testing.TB) {
 	t.Helper()
@@ -186,15 +200,7 @@ func TestSweeperRunFollowsNodeAddresses(t *testing.T) {
 	c.waitHealthy(t)
 
 	added := netip.MustParseAddr("198.51.100.7")
-	if err := c.inNode(func() error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(added, 32))})
-	}); err != nil {
-		t.Fatal(err)
-	}
+	c.addNodeAddr(t, added)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		g, err := bpf.OpenGlobal(c.pinRoot)
