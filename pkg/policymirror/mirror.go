@@ -34,6 +34,7 @@ import (
 	"strings"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
@@ -123,11 +124,24 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 	if _, err := m.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    kick,
 		UpdateFunc: func(_, obj any) { kick(obj) },
-		DeleteFunc: kick,
+		DeleteFunc: func(obj any) {
+			// A tombstone: the object was missing from a relist, its
+			// delete event lost with the watch that was down.
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				opts.Log.Info("PolicyEndpoint found deleted at a relist; the watch missed its delete", "object", t.Key)
+			}
+			m.Kick()
+		},
 	}); err != nil {
 		return nil, err
 	}
 	if err := m.informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		if apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
+			// The server no longer has the history since our last
+			// resourceVersion (compacted, or a restarted watch cache).
+			opts.Log.Info("watch expired (410 Gone); listing PolicyEndpoints again", "error", err)
+			return
+		}
 		opts.Log.Warn("watching PolicyEndpoints failed; enforcing the last policy and retrying", "error", err)
 	}); err != nil {
 		return nil, err

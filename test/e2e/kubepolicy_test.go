@@ -6,11 +6,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/vishvananda/netlink"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
@@ -40,22 +40,16 @@ type apiCluster struct {
 func newAPICluster(t testing.TB) *apiCluster {
 	t.Helper()
 	c := newCluster(t, attachModes(t)[0])
-	api := kubeapi.Start(t, kubeapi.Options{Netns: c.node})
+	// Compacting often makes a watch that resumes after a pause meet 410
+	// Gone, the path TestKubernetesPolicyRelist is about.
+	api := kubeapi.Start(t, kubeapi.Options{Netns: c.node, CompactEvery: time.Second})
 	ctx := context.Background()
 	api.InstallCRDs(ctx, readConf(t, "policyendpoints-crd.yaml"))
 	if _, err := api.Apply(ctx, readConf(t, "podfence-sweeper.yaml"), kubeapi.ApplyOptions{Namespace: "kube-system"}); err != nil {
 		t.Fatalf("apply conf/podfence-sweeper.yaml: %v", err)
 	}
 	token := api.ServiceAccountToken(ctx, "kube-system", "podfence-sweeper")
-	if err := c.inNode(func() error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: prefixNet(netip.PrefixFrom(nodeIP, 32))})
-	}); err != nil {
-		t.Fatal(err)
-	}
+	c.addNodeAddr(t, nodeIP)
 	_, dyn := api.Clients()
 	return &apiCluster{cluster: c, api: api, pes: dyn.Resource(policymirror.Resource),
 		kubeconfig: api.WriteKubeconfig("sweeper.kubeconfig", token)}
@@ -257,6 +251,51 @@ func TestKubernetesPolicyAPIRestart(t *testing.T) {
 	if c.connects(client, web, backendPort) {
 		t.Error("the client is still let in after the update")
 	}
+}
+
+// TestKubernetesPolicyRelist: changes the watch never saw converge. The
+// sweeper is frozen (SIGSTOP) while the API server restarts and a
+// PolicyEndpoint is then deleted and another created, and etcd's history
+// is compacted past the sweeper's last resourceVersion: the resumed watch
+// is answered 410 Gone and the reflector lists again. The deletion and the
+// creation both reach the directory and the pods.
+func TestKubernetesPolicyRelist(t *testing.T) {
+	c := newAPICluster(t)
+	client := c.addPod("client", "default")
+	intruder := c.addPod("intruder", "default")
+	c.create(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, client))
+	sweeper, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h",
+		"--policy-source=kubernetes", "--kubeconfig", c.kubeconfig)
+	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	if !c.connects(client, web, backendPort) || c.connects(intruder, web, backendPort) {
+		t.Fatal("the first policy does not hold")
+	}
+
+	if err := sweeper.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	// Changes made before the restart would wait in the frozen sweeper's
+	// socket for it to read; made after, only a new watch or list sees them.
+	c.api.StopAPI()
+	c.api.StartAPI()
+	c.delete(t, "web")
+	c.create(t, policyEndpoint(t, "web-v2", []string{webReplicas[0]}, backendPort, intruder))
+	time.Sleep(3 * time.Second) // two compactions: the sweeper's resourceVersion is gone
+	if err := sweeper.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	resumed := time.Now()
+	took := waitConnects(t, intruder, web, backendPort, true, resumed, 30*time.Second)
+	t.Logf("converged %v after the sweeper resumed", took)
+	if c.connects(client, web, backendPort) {
+		t.Error("the client is still let in: the deletion the watch missed did not converge")
+	}
+	if exists(filepath.Join(c.policyDir, policymirror.FileName("default", "web"))) {
+		t.Error("the deleted PolicyEndpoint's file is still mirrored")
+	}
+	logs.waitFor(t, "PolicyEndpoint found deleted at a relist", 5*time.Second)
 }
 
 // TestKubernetesStrictUntilSynced: a sweeper that restarts while the API is

@@ -10,6 +10,7 @@
 package kubeapi
 
 import (
+	"cmp"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -27,6 +28,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -53,6 +55,10 @@ const adminToken = "podfence-test-admin"
 type Options struct {
 	// Netns is where etcd and the API server listen, on 127.0.0.1.
 	Netns ns.NetNS
+	// CompactEvery, if set, has the API server compact etcd's history
+	// that often (default 5m), so that a watch resuming from an older
+	// resourceVersion is answered 410 Gone.
+	CompactEvery time.Duration
 }
 
 // Server is a running etcd and kube-apiserver.
@@ -129,6 +135,7 @@ func Start(tb testing.TB, opts Options) *Server {
 		// would wait for token controllers that never come.
 		"--disable-admission-plugins=ServiceAccount",
 		"--allow-privileged=true",
+		"--etcd-compaction-interval=" + cmp.Or(opts.CompactEvery, 5*time.Minute).String(),
 		"-v=0",
 	}
 	s.startAPI()
@@ -423,4 +430,29 @@ func (s *Server) writeFile(name, content string) string {
 		s.tb.Fatal(err)
 	}
 	return path
+}
+
+// Requests is how many verb requests (LIST, WATCH, GET...) on resource the
+// API server has answered since it started, from its own metrics.
+func (s *Server) Requests(ctx context.Context, verb, resource string) int {
+	s.tb.Helper()
+	cs, _ := s.Clients()
+	page, err := cs.CoreV1().RESTClient().Get().AbsPath("/metrics").DoRaw(ctx)
+	if err != nil {
+		s.tb.Fatalf("API server metrics: %v", err)
+	}
+	n := 0
+	for _, line := range strings.Split(string(page), "\n") {
+		if !strings.HasPrefix(line, "apiserver_request_total{") ||
+			!strings.Contains(line, `resource="`+resource+`"`) || !strings.Contains(line, `verb="`+verb+`"`) {
+			continue
+		}
+		fields := strings.Fields(line)
+		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+		if err != nil {
+			s.tb.Fatalf("API server metrics: %q: %v", line, err)
+		}
+		n += int(v)
+	}
+	return n
 }
