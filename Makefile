@@ -23,7 +23,8 @@ build-arm64:
 
 # bin/podfence-image.tar: the container image of conf/podfence-sweeper.yaml
 # (both static binaries in /usr/local/bin), written by a Go program, no
-# daemon; `ctr images import` or `crane push` take it from there.
+# daemon, as an OCI image-layout archive: `ctr images import` or
+# `skopeo copy oci-archive:` take it from there.
 IMAGE ?= ghcr.io/podfence/podfence:latest
 image: build
 	$(GO) run ./hack/image -o $(BIN)/podfence-image.tar -ref $(IMAGE) $(BIN)/podfence $(BIN)/podfence-sweeper

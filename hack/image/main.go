@@ -1,7 +1,8 @@
 // Command image writes podfence's container image: the two static binaries
-// under /usr/local/bin on an empty base, as a docker-archive tarball that
-// `ctr images import` and `crane push` read. No daemon is involved, and the
-// same binaries give the same image digest (fixed timestamps, sorted tar).
+// under /usr/local/bin on an empty base, with OCI media types, as a tar of
+// an OCI image layout that `ctr images import` reads and `skopeo copy
+// oci-archive:` pushes. No daemon is involved,
+// and the same binaries give the same image digest (fixed timestamps).
 //
 //	go run ./hack/image -o bin/podfence-image.tar -ref ghcr.io/podfence/podfence:latest bin/podfence bin/podfence-sweeper
 package main
@@ -20,9 +21,12 @@ import (
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 )
 
 // binDir is where the manifests in conf/ expect the binaries; install-cni
@@ -54,11 +58,12 @@ func run(out, ref, arch string, bins []string) error {
 	}
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(layerTar)), nil
-	})
+	}, tarball.WithMediaType(types.OCILayer))
 	if err != nil {
 		return err
 	}
-	img, err := mutate.AppendLayers(empty.Image, layer)
+	base := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
+	img, err := mutate.AppendLayers(base, layer)
 	if err != nil {
 		return err
 	}
@@ -77,7 +82,7 @@ func run(out, ref, arch string, bins []string) error {
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		return err
 	}
-	if err := tarball.WriteToFile(out, tag, img); err != nil {
+	if err := writeArchive(out, tag, img); err != nil {
 		return fmt.Errorf("write %s: %w", out, err)
 	}
 	digest, err := img.Digest()
@@ -86,6 +91,44 @@ func run(out, ref, arch string, bins []string) error {
 	}
 	fmt.Printf("%s %s %s\n", out, tag, digest)
 	return nil
+}
+
+// writeArchive writes img as an OCI image layout in a tar. The index names
+// it twice: containerd reads io.containerd.image.name, other tools the OCI
+// ref.name annotation.
+func writeArchive(out string, tag name.Tag, img v1.Image) error {
+	dir, err := os.MkdirTemp("", "podfence-image")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	l, err := layout.Write(dir, empty.Index)
+	if err != nil {
+		return err
+	}
+	if err := l.AppendImage(img, layout.WithAnnotations(map[string]string{
+		"io.containerd.image.name":          tag.Name(),
+		"org.opencontainers.image.ref.name": tag.Name(),
+	})); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(filepath.Dir(out), ".image-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	tw := tar.NewWriter(f)
+	err = tw.AddFS(os.DirFS(dir))
+	if err == nil {
+		err = tw.Close()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	return os.Rename(f.Name(), out)
 }
 
 // binaryLayer is a tar of bins under binDir, with the directories above
