@@ -1,8 +1,8 @@
 // Command image writes podfence's container image: the two static binaries
 // under /usr/local/bin on an empty base, with OCI media types, as a tar of
 // an OCI image layout that `ctr images import` reads and `skopeo copy
-// oci-archive:` pushes. No daemon is involved,
-// and the same binaries give the same image digest (fixed timestamps).
+// oci-archive:` pushes. No daemon is involved, and the same binaries give
+// the same image digest (fixed timestamps).
 //
 //	go run ./hack/image -o bin/podfence-image.tar -ref ghcr.io/podfence/podfence:latest bin/podfence bin/podfence-sweeper
 package main
