@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels bench demo lint check-generated clean
+.PHONY: all build build-arm64 image generate test test-kernels fuzz bench demo lint check-generated clean
 
 all: build
 
@@ -44,6 +44,20 @@ test:
 	$(GO) test -count=1 -race ./pkg/...
 	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/
 	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
+	$(MAKE) fuzz FUZZTIME=10s
+
+# Each fuzz target for FUZZTIME (go test runs one per call). The committed
+# corpora (testdata/fuzz/) also run as ordinary cases in every go test;
+# what a longer run finds worth keeping, copy there from $$(go env GOCACHE)/fuzz.
+FUZZTIME ?= 2m
+FUZZ_TARGETS := ./pkg/policy:FuzzDocument ./plugins/podfence:FuzzConfig ./plugins/podfence:FuzzIdentify \
+	./pkg/ctnetlink:FuzzMessages ./bpf:FuzzDatapath
+fuzz:
+	@for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz $$name ($$pkg, $(FUZZTIME))"; \
+		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+	done
 
 # The kernel-facing tests (./bpf, ./pkg/attach) in qemu guests on Debian's
 # 5.10, 6.1 and 6.12 cloud kernels (hack/kernels/versions); fails if any
