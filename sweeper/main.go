@@ -36,6 +36,7 @@ commands:
   uninstall-cni    take podfence out of the conflist and remove its binary
   ls               identifiers, their members and host veths, programs, counters
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
+  trace            denied packets as the datapath reports them, with pod, reason and policy
 
 Run "podfence-sweeper <command> -h" for a command's flags.
 `
@@ -60,6 +61,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdLs(rest, stdout, stderr)
 	case "apply":
 		err = cmdApply(rest, stdout, stderr)
+	case "trace":
+		err = cmdTrace(rest, stdout, stderr)
 	case "install-cni":
 		err = cmdInstallCNI(rest, stdout, stderr)
 	case "uninstall-cni":

@@ -1,0 +1,234 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// traceEvent is one deny event as trace prints it.
+type traceEvent struct {
+	Time       time.Time `json:"time"`
+	Identifier podid.ID  `json:"identifier,omitempty"` // empty: the veth is no member's any more
+	Container  string    `json:"container_id,omitempty"`
+	HostVeth   string    `json:"host_veth,omitempty"`
+	Ifindex    uint32    `json:"ifindex"`
+	Direction  string    `json:"direction"`
+	Reason     string    `json:"reason"`
+	Protocol   string    `json:"protocol"`
+	Src        string    `json:"src"`
+	Dst        string    `json:"dst"`
+	// Policy names the documents that select the identifier: none of
+	// their rules allowed the packet. Empty in strict mode with no
+	// selecting document (closed by default).
+	Policy []string `json:"policy"`
+}
+
+// traceSummary ends a trace: how many of the denied packets the kernel
+// reported, the rest being rate-limited (one event per millisecond per CPU,
+// bursts of 64).
+type traceSummary struct {
+	Events         int    `json:"events"`
+	DeniedPackets  uint64 `json:"denied_packets"`
+	NotReported    uint64 `json:"not_reported"`
+	DurationMillis int64  `json:"duration_ms"`
+}
+
+func cmdTrace(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("trace", stderr, &c, false)
+	pod := fs.String("pod", "", "only this identifier (web-7f65cc6544@default) or container ID prefix")
+	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir, to name the documents that selected a denied pod")
+	count := fs.Int("count", 0, "stop after this many events (0: until interrupted)")
+	duration := fs.Duration("duration", 0, "stop after this long (0: until interrupted)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *count < 0 || *duration < 0 {
+		return usageError{errors.New("--count and --duration must not be negative")}
+	}
+	g, err := openGlobal(&c, false)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	events, err := bpf.OpenDenyEvents(g)
+	if err != nil {
+		return err
+	}
+	defer events.Close()
+
+	start := time.Now()
+	if *duration > 0 {
+		events.SetDeadline(start.Add(*duration))
+	}
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sig)
+	go func() {
+		if _, ok := <-sig; ok {
+			events.Close() // a blocked Read returns
+		}
+	}()
+
+	r := newResolver(c.pinRoot, *policyDir)
+	deniedBefore := r.denied()
+	// Monotonic event timestamps to wall time: the offset now.
+	var ts unix0
+	n := 0
+	for *count == 0 || n < *count {
+		e, err := events.Read()
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, os.ErrClosed) {
+				break
+			}
+			return err
+		}
+		te := r.describe(e, ts.wall(e.Timestamp))
+		if *pod != "" && string(te.Identifier) != *pod && !strings.HasPrefix(te.Container, *pod) {
+			continue
+		}
+		n++
+		if c.json {
+			if err := writeJSONLine(stdout, te); err != nil {
+				return err
+			}
+			continue
+		}
+		target := string(te.Identifier)
+		if target == "" {
+			target = fmt.Sprintf("ifindex %d (no member)", te.Ifindex)
+		}
+		why := "no policy selects it (closed by default)"
+		if len(te.Policy) > 0 {
+			why = "no rule of " + strings.Join(te.Policy, ", ") + " allows it"
+		}
+		if te.Reason != bpf.ReasonPolicyDeny.String() {
+			why = te.Reason
+		}
+		fmt.Fprintf(stdout, "%s %s %s %s %s -> %s: %s\n", te.Time.Format("15:04:05.000"), target, te.Direction,
+			te.Protocol, te.Src, te.Dst, why)
+	}
+	sum := traceSummary{Events: n, DurationMillis: time.Since(start).Milliseconds()}
+	if after := r.denied(); after >= deniedBefore {
+		sum.DeniedPackets = after - deniedBefore
+	}
+	if *pod == "" && sum.DeniedPackets > uint64(n) {
+		sum.NotReported = sum.DeniedPackets - uint64(n)
+	}
+	if c.json {
+		return writeJSONLine(stdout, map[string]traceSummary{"summary": sum})
+	}
+	fmt.Fprintf(stderr, "%d events; %d packets denied meanwhile on the node, %d of them not reported (rate-limited)\n",
+		sum.Events, sum.DeniedPackets, sum.NotReported)
+	return nil
+}
+
+// unix0 converts CLOCK_MONOTONIC event times to wall time.
+type unix0 struct{ offset time.Duration }
+
+func (u *unix0) wall(mono time.Duration) time.Time {
+	if u.offset == 0 {
+		var now unix.Timespec
+		_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &now)
+		u.offset = time.Duration(time.Now().UnixNano()) - time.Duration(now.Nano())
+	}
+	return time.Unix(0, int64(u.offset+mono))
+}
+
+// resolver names the pod behind a host veth's ifindex, and the documents
+// that select it. It re-reads the node's state when it meets an ifindex it
+// does not know, at most once a second: pods come and go during a trace.
+type resolver struct {
+	pinRoot, policyDir string
+	byIfindex          map[uint32]memberOf
+	read               time.Time
+}
+
+type memberOf struct {
+	id       podid.ID
+	mode     policy.Mode
+	member   memberView
+	policies []string
+}
+
+func newResolver(pinRoot, policyDir string) *resolver {
+	r := &resolver{pinRoot: pinRoot, policyDir: policyDir}
+	r.refresh()
+	return r
+}
+
+func (r *resolver) refresh() {
+	r.read = time.Now()
+	r.byIfindex = map[uint32]memberOf{}
+	views, err := listIdentifiers(r.pinRoot)
+	if err != nil {
+		return
+	}
+	docs, _ := policy.LoadDir(r.policyDir) // unreadable: no names, the rest still shows
+	for _, v := range views {
+		set := policy.ForIdentifier(docs, v.ID, policy.Mode(v.Mode))
+		for _, m := range v.Members {
+			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: v.ID, mode: policy.Mode(v.Mode), member: m, policies: set.Sources}
+		}
+	}
+}
+
+// denied is the node's denied packet count, over every identifier.
+func (r *resolver) denied() uint64 {
+	views, err := listIdentifiers(r.pinRoot)
+	if err != nil {
+		return 0
+	}
+	var n uint64
+	for _, v := range views {
+		n += v.Denied
+	}
+	return n
+}
+
+func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
+	m, ok := r.byIfindex[e.Ifindex]
+	if !ok && time.Since(r.read) > time.Second {
+		r.refresh()
+		m, ok = r.byIfindex[e.Ifindex]
+	}
+	te := traceEvent{Time: at, Ifindex: e.Ifindex, Direction: "ingress", Reason: e.Reason.String(),
+		Protocol: protocolName(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}}
+	if e.Egress {
+		te.Direction = "egress"
+	}
+	if ok {
+		te.Identifier, te.Container, te.HostVeth = m.id, m.member.ContainerID, m.member.HostVeth
+		te.Policy = append(te.Policy, m.policies...)
+	}
+	return te
+}
+
+func protocolName(p uint8) string {
+	switch p {
+	case 1:
+		return "ICMP"
+	case 58:
+		return "ICMPv6"
+	}
+	return policy.Protocol(p).String()
+}
+
+// writeJSONLine writes v as one line: a stream of events reads as JSON
+// lines.
+func writeJSONLine(w io.Writer, v any) error {
+	return json.NewEncoder(w).Encode(v)
+}
