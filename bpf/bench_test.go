@@ -13,8 +13,8 @@ import (
 	"github.com/cilium/ebpf/asm"
 	"golang.org/x/sys/unix"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
-	"github.com/podfence/podfence/test/packet"
 )
 
 // BenchmarkDatapath reports the kernel's own per-packet run time (ns/op)

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
-	"github.com/podfence/podfence/test/packet"
 )
 
 var (

@@ -9,9 +9,9 @@ import (
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
-	"github.com/podfence/podfence/test/packet"
 )
 
 // fuzzRule is the policy FuzzDatapath enforces: ingress from 10.1.0.0/16 on

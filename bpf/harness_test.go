@@ -6,9 +6,9 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
-	"github.com/podfence/podfence/test/packet"
 )
 
 // harness is one pin root with the global maps and one identifier, for

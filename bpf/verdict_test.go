@@ -4,8 +4,8 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
-	"github.com/podfence/podfence/test/packet"
 )
 
 // The pod under test and the peers it talks to.
