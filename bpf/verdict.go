@@ -2,6 +2,8 @@ package bpf
 
 import (
 	"fmt"
+
+	"github.com/cilium/ebpf"
 )
 
 // Verdicts the programs return (TC_ACT_UNSPEC, which TCX reads as
@@ -57,13 +59,21 @@ type Counters [2][NumReasons]uint64
 
 // ReadCounters sums the identifier's per-CPU counters.
 func (i *Identifier) ReadCounters() (Counters, error) {
+	c, err := readCounters(i.Counters)
+	if err != nil {
+		return c, fmt.Errorf("read counters of %q: %w", i.ID, err)
+	}
+	return c, nil
+}
+
+func readCounters(m *ebpf.Map) (Counters, error) {
 	var c Counters
 	for d := range c {
 		for r := range c[d] {
 			var perCPU []uint64
 			idx := uint32(d*int(NumReasons) + r)
-			if err := i.Counters.Lookup(idx, &perCPU); err != nil {
-				return c, fmt.Errorf("read counters of %q: %w", i.ID, err)
+			if err := m.Lookup(idx, &perCPU); err != nil {
+				return c, err
 			}
 			for _, n := range perCPU {
 				c[d][r] += n
