@@ -37,6 +37,7 @@ commands:
   ls               identifiers, their members and host veths, programs, counters
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
   trace            denied packets as the datapath reports them, with pod, reason and policy
+  why              what the datapath decides for a connection of a pod, why, and which rule
 
 Run "podfence-sweeper <command> -h" for a command's flags.
 `
@@ -63,6 +64,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdApply(rest, stdout, stderr)
 	case "trace":
 		err = cmdTrace(rest, stdout, stderr)
+	case "why":
+		err = cmdWhy(rest, stdout, stderr)
 	case "install-cni":
 		err = cmdInstallCNI(rest, stdout, stderr)
 	case "uninstall-cni":

@@ -1,0 +1,248 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/netip"
+	"strconv"
+	"strings"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+)
+
+// whyResult is what `why` prints with --json.
+type whyResult struct {
+	Identifier  podid.ID           `json:"identifier"`
+	Container   string             `json:"container_id"`
+	Direction   string             `json:"direction"`
+	Protocol    string             `json:"protocol"`
+	Src         string             `json:"src"`
+	Dst         string             `json:"dst"`
+	Verdict     string             `json:"verdict"` // allow or deny
+	Reason      string             `json:"reason"`
+	Explanation policy.Explanation `json:"explanation"`
+}
+
+// whyProtocols are the protocols a trial packet can be built for.
+var whyProtocols = map[string]uint8{"tcp": 6, "udp": 17, "sctp": 132}
+
+func cmdWhy(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("why", stderr, &c, false)
+	pod := fs.String("pod", "", "the pod: NAME.NAMESPACE (NAME alone: namespace default), or an identifier NAME@NAMESPACE")
+	from := fs.String("from", "", "a connection from this address to the pod (ingress)")
+	to := fs.String("to", "", "a connection from the pod to this address (egress)")
+	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir, to name the rules that decide")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "usage: podfence-sweeper why --pod POD (--from|--to) ADDR PORT/PROTO\n\n"+
+			"Runs the pod's datapath program on a packet of a new connection, against the live\n"+
+			"policy maps and a copy of its conntrack entries (nothing on the node changes),\n"+
+			"and says what it decides, why, and which rules of the policy directory decide it.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err}
+	}
+	q, err := parseWhy(*pod, *from, *to, fs.Args())
+	if err != nil {
+		return usageError{err}
+	}
+	if err := checkPinRoot(c.pinRoot, false); err != nil {
+		return err
+	}
+	views, err := listIdentifiers(c.pinRoot)
+	if err != nil {
+		return err
+	}
+	member, podAddr, err := q.member(views)
+	if err != nil {
+		return err
+	}
+	pkt := packet.Packet{Src: q.peer, Dst: podAddr, Proto: q.proto, SrcPort: 40000, DstPort: q.port, TCPFlags: 0x02}
+	if q.dir == policy.Egress {
+		pkt.Src, pkt.Dst = podAddr, q.peer
+	}
+
+	g, err := openGlobal(&c, false)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	store := membership.New(c.pinRoot)
+	lock, err := store.Lock(q.id, false)
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
+	info, err := bpf.InspectIdentifier(c.pinRoot, q.id)
+	if err != nil {
+		return err
+	}
+	ident, err := bpf.OpenIdentifier(g, c.pinRoot, q.id)
+	if err != nil {
+		return err
+	}
+	defer ident.Close()
+	ret, reason, err := ident.Trial(q.dir, pkt.Marshal(), uint32(member.HostIfindex))
+	if err != nil {
+		return err
+	}
+	docs, err := policy.LoadDir(*policyDir)
+	if err != nil {
+		fmt.Fprintf(stderr, "the policy directory does not load (%v): the verdict is the datapath's, no rule can be named\n", err)
+	}
+	res := whyResult{Identifier: q.id, Container: member.ContainerID, Direction: q.dir.String(),
+		Protocol: policy.Protocol(q.proto).String(),
+		Src:      netip.AddrPortFrom(pkt.Src, pkt.SrcPort).String(), Dst: netip.AddrPortFrom(pkt.Dst, pkt.DstPort).String(),
+		Verdict: "allow", Reason: reason.String(),
+		Explanation: policy.Explain(docs, q.id, info.Mode, q.dir, q.peer, q.proto, q.port)}
+	if ret != bpf.VerdictAllow {
+		res.Verdict = "deny"
+	}
+	if c.json {
+		return writeJSON(stdout, res)
+	}
+	printWhy(stdout, res)
+	return nil
+}
+
+func printWhy(w io.Writer, r whyResult) {
+	fmt.Fprintf(w, "%s %s %s %s -> %s: %s (%s)\n", r.Identifier, r.Direction, r.Protocol, r.Src, r.Dst, r.Verdict, r.Reason)
+	e := r.Explanation
+	switch bpfReason(r.Reason) {
+	case bpf.ReasonNotIsolated:
+		fmt.Fprintf(w, "  no policy isolates the pod's %s\n", r.Direction)
+	case bpf.ReasonNode:
+		fmt.Fprintf(w, "  the peer is one of the node's own addresses, always allowed\n")
+	case bpf.ReasonCTEstablished, bpf.ReasonCTReply:
+		fmt.Fprintf(w, "  a flow in conntrack, checked against the current policy\n")
+	case bpf.ReasonPolicyDeny:
+		if len(e.Documents) == 0 {
+			fmt.Fprintf(w, "  no policy selects the pod, and its mode closes it by default\n")
+		} else {
+			fmt.Fprintf(w, "  no rule of %s allows it\n", strings.Join(e.Documents, ", "))
+		}
+	}
+	for _, ref := range e.Allowing {
+		fmt.Fprintf(w, "  allowed by %s\n", describeRule(ref))
+	}
+	if r.Verdict == "deny" {
+		for _, ref := range e.Near {
+			fmt.Fprintf(w, "  near: %s\n", describeRule(ref))
+		}
+	}
+}
+
+func describeRule(ref policy.RuleRef) string {
+	s := fmt.Sprintf("%s/%s (%s) rule %d: %s", ref.Namespace, ref.Name, ref.Source, ref.Rule, ref.CIDR)
+	switch {
+	case ref.Except != nil:
+		s += " except " + ref.Except.String() + ", which holds the address"
+	case ref.Ports != nil:
+		s += " " + ref.Ports.String()
+	default:
+		s += ", but not this port"
+	}
+	return s
+}
+
+func bpfReason(name string) bpf.Reason {
+	for r := range bpf.NumReasons {
+		if r.String() == name {
+			return r
+		}
+	}
+	return bpf.NumReasons
+}
+
+// whyQuery is a parsed `why` command line.
+type whyQuery struct {
+	id    podid.ID
+	dir   policy.Direction
+	peer  netip.Addr
+	proto uint8
+	port  uint16
+}
+
+func parseWhy(pod, from, to string, rest []string) (whyQuery, error) {
+	var q whyQuery
+	var err error
+	switch {
+	case pod == "":
+		return q, errors.New("--pod is required")
+	case strings.Contains(pod, "@"):
+		if !podid.Valid(pod) {
+			return q, fmt.Errorf("--pod %q: not a valid identifier", pod)
+		}
+		q.id = podid.ID(pod)
+	default:
+		// A namespace is a DNS label: it has no dots, a pod name may.
+		name, ns := pod, "default"
+		if i := strings.LastIndexByte(pod, '.'); i >= 0 {
+			name, ns = pod[:i], pod[i+1:]
+		}
+		if q.id, err = podid.FromPod(name, ns); err != nil {
+			return q, fmt.Errorf("--pod %q: %w", pod, err)
+		}
+	}
+	addr := from
+	q.dir = policy.Ingress
+	switch {
+	case (from == "") == (to == ""):
+		return q, errors.New("say --from ADDR (a connection to the pod) or --to ADDR (from it), one of them")
+	case to != "":
+		addr, q.dir = to, policy.Egress
+	}
+	if q.peer, err = netip.ParseAddr(addr); err != nil {
+		return q, fmt.Errorf("%s: %w", addr, err)
+	}
+	q.peer = q.peer.Unmap()
+	if len(rest) != 1 {
+		return q, errors.New("say the port and protocol once, as in 8080/tcp")
+	}
+	portStr, protoStr, ok := strings.Cut(rest[0], "/")
+	if !ok {
+		protoStr = "tcp"
+	}
+	var known bool
+	if q.proto, known = whyProtocols[strings.ToLower(protoStr)]; !known {
+		return q, fmt.Errorf("%s: protocol %q, want tcp, udp or sctp", rest[0], protoStr)
+	}
+	p, err := strconv.ParseUint(portStr, 10, 16)
+	if err != nil || p == 0 {
+		return q, fmt.Errorf("%s: port %q, want 1-65535", rest[0], portStr)
+	}
+	q.port = uint16(p)
+	return q, nil
+}
+
+// member finds a member of the identifier whose veth is present, and its
+// address of the peer's family.
+func (q whyQuery) member(views []identifierView) (memberView, netip.Addr, error) {
+	for _, v := range views {
+		if v.ID != q.id {
+			continue
+		}
+		for _, m := range v.Members {
+			if !m.VethPresent {
+				continue
+			}
+			for _, s := range m.IPs {
+				if p, err := netip.ParsePrefix(s); err == nil && p.Addr().Is4() == q.peer.Is4() {
+					return m, p.Addr(), nil
+				}
+			}
+		}
+		return memberView{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
+	}
+	return memberView{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
+}
