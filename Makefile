@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels fuzz bench demo lint check-generated clean
+.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean
 
 all: build
 
@@ -67,6 +67,10 @@ test-kernels:
 
 bench:
 	hack/bench.sh
+
+# TestSoak for SOAK_DURATION (10m); make test runs it for 15 s.
+soak:
+	hack/soak.sh
 
 demo:
 	hack/demo.sh
