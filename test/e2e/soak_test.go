@@ -26,17 +26,7 @@ var soakDuration = flag.Duration("soak.duration", 15*time.Second, "how long Test
 // hack/soak.sh runs it for longer and prints the figures.
 func TestSoak(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
-	toVIP := tcpRule(serviceVIP.String(), servicePort)
-	c.writePolicy("client", egressOnly("client", toVIP))
-	client := c.addPod("client", "default")
-	stranger := c.addPod("stranger", "default")
-	c.writePolicy("web", backendPolicy(client.ip, backendPort))
-	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
-	c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
-	for _, p := range []*pod{client, stranger} {
-		routeVia(t, p.netns, serviceVIP)
-	}
+	client, stranger, _ := c.vipScene(t)
 	sweeper, logs := c.runSweeper(t, "--interval-min", "1s", "--interval-max", "1s", "--log-level", "debug")
 	c.waitHealthy(t)
 	long, err := dialEcho(client.netns)

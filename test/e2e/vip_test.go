@@ -38,16 +38,7 @@ func TestServiceVIPConnection(t *testing.T) {
 			c := newCluster(t, mode)
 			const clientID = "client@default"
 			toVIP := tcpRule(serviceVIP.String(), servicePort)
-			c.writePolicy("client", egressOnly("client", toVIP))
-			client := c.addPod("client", "default")
-			stranger := c.addPod("stranger", "default")
-			c.writePolicy("web", backendPolicy(client.ip, backendPort))
-			web := c.addPod(webReplicas[0], "default")
-			echoServer(t, web.netns, backendPort)
-			c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
-			for _, p := range []*pod{client, stranger} {
-				routeVia(t, p.netns, serviceVIP)
-			}
+			client, stranger, _ := c.vipScene(t)
 
 			if conn, err := dialEcho(stranger.netns); err == nil {
 				conn.Close()
@@ -103,6 +94,24 @@ func TestServiceVIPConnection(t *testing.T) {
 			}
 		})
 	}
+}
+
+// vipScene adds a client whose egress policy allows the service VIP, a
+// stranger, and the web backend behind the VIP (kube-proxy's DNAT), whose
+// policy lets only the client in.
+func (c *cluster) vipScene(t *testing.T) (client, stranger, web *pod) {
+	t.Helper()
+	c.writePolicy("client", egressOnly("client", tcpRule(serviceVIP.String(), servicePort)))
+	client = c.addPod("client", "default")
+	stranger = c.addPod("stranger", "default")
+	c.writePolicy("web", backendPolicy(client.ip, backendPort))
+	web = c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
+	for _, p := range []*pod{client, stranger} {
+		routeVia(t, p.netns, serviceVIP)
+	}
+	return client, stranger, web
 }
 
 // backendPolicy selects the web replicas, isolates both directions and
