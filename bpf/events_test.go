@@ -4,11 +4,8 @@ import (
 	"errors"
 	"net/netip"
 	"os"
-	"runtime"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 func TestDenyEvents(t *testing.T) {
@@ -54,24 +51,7 @@ func TestDenyEvents(t *testing.T) {
 	// scheduler may resume on another CPU with a full bucket of its own:
 	// keep the thread on one CPU, as a flood through one queue would be.
 	flood := tcp(peer4, pod4, 40000, 81).Marshal()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	var one unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &one); err != nil {
-		t.Fatal(err)
-	}
-	all := one
-	for cpu := 0; cpu < 1024; cpu++ {
-		if one.IsSet(cpu) {
-			one.Zero()
-			one.Set(cpu)
-			break
-		}
-	}
-	if err := unix.SchedSetaffinity(0, &one); err != nil {
-		t.Fatal(err)
-	}
-	defer unix.SchedSetaffinity(0, &all)
+	defer onOneCPU(t)()
 	start := time.Now()
 	if _, _, err := h.id.Ingress.Benchmark(flood, 100000, nil); err != nil {
 		t.Fatal(err)

@@ -2,9 +2,11 @@ package bpf
 
 import (
 	"net/netip"
+	"runtime"
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
@@ -181,4 +183,31 @@ func echo(src, dst string, id uint16) packet.Packet {
 		proto = 58
 	}
 	return packet.Packet{Src: ip(src), Dst: ip(dst), Proto: proto, SrcPort: id}
+}
+
+// onOneCPU keeps the calling goroutine on one thread and that thread on one
+// CPU, until the returned function runs: the per-CPU maps (the event
+// budget, the clock cache) then see one CPU throughout.
+func onOneCPU(tb testing.TB) (restore func()) {
+	tb.Helper()
+	runtime.LockOSThread()
+	var one unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &one); err != nil {
+		tb.Fatal(err)
+	}
+	all := one
+	for cpu := 0; cpu < 1024; cpu++ {
+		if one.IsSet(cpu) {
+			one.Zero()
+			one.Set(cpu)
+			break
+		}
+	}
+	if err := unix.SchedSetaffinity(0, &one); err != nil {
+		tb.Fatal(err)
+	}
+	return func() {
+		unix.SchedSetaffinity(0, &all)
+		runtime.UnlockOSThread()
+	}
 }

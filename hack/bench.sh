@@ -50,6 +50,16 @@ echo "$out" | awk '/^BenchmarkIdentifierMemory/ {
 	name=$1; sub(/^BenchmarkIdentifierMemory\//, "", name); sub(/-[0-9]+$/, "", name)
 	for (i = 3; i < NF; i += 2) if ($(i+1) == "memlock-bytes") printf "  %-10s %9s bytes\n", name, $i
 }'
+
+# A flood of denies (issue 12): a denied packet with and without its deny
+# event, and the events' bounded share of a CPU (1,000 a second at most).
+echo
+echo "deny flood (BenchmarkDenyFlood, bursts of 64 from one CPU)"
+out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkDenyFlood' -test.benchtime 500x)
+echo "$out" | awk '/^BenchmarkDenyFlood/ {
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  denied packet: %s ns with its event, %s ns without; events at the kernel limit cost %s%% of a CPU\n", v["event-ns"], v["no-event-ns"], v["event-cpu-%"]
+}'
 rm -f /tmp/podfence-bpf.test
 
 # The CNI plugin: latency of the podfence binary's own ADD and DEL (a
