@@ -34,6 +34,9 @@ type traceEvent struct {
 	// their rules allowed the packet. Empty in strict mode with no
 	// selecting document (closed by default).
 	Policy []string `json:"policy"`
+	// Near are the rules that came closest: their CIDR holds the remote
+	// address, but an except excludes it or their ports differ.
+	Near []policy.RuleRef `json:"near"`
 }
 
 // traceSummary ends a trace: how many of the denied packets the kernel
@@ -120,6 +123,9 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stdout, "%s %s %s %s %s -> %s: %s\n", te.Time.Format("15:04:05.000"), target, te.Direction,
 			te.Protocol, te.Src, te.Dst, why)
+		for _, ref := range te.Near {
+			fmt.Fprintf(stdout, "  near: %s\n", describeRule(ref))
+		}
 	}
 	sum := traceSummary{Events: n, DurationMillis: time.Since(start).Milliseconds()}
 	if after := r.denied(); after >= deniedBefore {
@@ -153,6 +159,7 @@ func (u *unix0) wall(mono time.Duration) time.Time {
 // does not know, at most once a second: pods come and go during a trace.
 type resolver struct {
 	pinRoot, policyDir string
+	docs               []policy.Document
 	byIfindex          map[uint32]memberOf
 	read               time.Time
 }
@@ -177,9 +184,9 @@ func (r *resolver) refresh() {
 	if err != nil {
 		return
 	}
-	docs, _ := policy.LoadDir(r.policyDir) // unreadable: no names, the rest still shows
+	r.docs, _ = policy.LoadDir(r.policyDir) // unreadable: no names, the rest still shows
 	for _, v := range views {
-		set := policy.ForIdentifier(docs, v.ID, policy.Mode(v.Mode))
+		set := policy.ForIdentifier(r.docs, v.ID, policy.Mode(v.Mode))
 		for _, m := range v.Members {
 			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: v.ID, mode: policy.Mode(v.Mode), member: m, policies: set.Sources}
 		}
@@ -206,13 +213,17 @@ func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
 		m, ok = r.byIfindex[e.Ifindex]
 	}
 	te := traceEvent{Time: at, Ifindex: e.Ifindex, Direction: "ingress", Reason: e.Reason.String(),
-		Protocol: protocolName(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}}
+		Protocol: protocolName(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}, Near: []policy.RuleRef{}}
+	dir, remote := policy.Ingress, e.Src.Addr()
 	if e.Egress {
-		te.Direction = "egress"
+		te.Direction, dir, remote = "egress", policy.Egress, e.Dst.Addr()
 	}
 	if ok {
 		te.Identifier, te.Container, te.HostVeth = m.id, m.member.ContainerID, m.member.HostVeth
 		te.Policy = append(te.Policy, m.policies...)
+		if e.Reason == bpf.ReasonPolicyDeny || e.Reason == bpf.ReasonRevoked {
+			te.Near = policy.Explain(r.docs, m.id, m.mode, dir, remote, e.Proto, e.Dst.Port()).Near
+		}
 	}
 	return te
 }
