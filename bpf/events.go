@@ -86,3 +86,18 @@ func (d *DenyEvents) Read() (DenyEvent, error) {
 
 // Close stops reading; a blocked Read returns.
 func (d *DenyEvents) Close() error { return d.r.Close() }
+
+// DroppedEvents is how many deny events the programs did not write since the
+// node's maps were created, summed over CPUs: the rate limit's, and those a
+// full ring buffer refused.
+func (g *Global) DroppedEvents() (uint64, error) {
+	var perCPU []podfenceEventBudget
+	if err := g.EventBudget.Lookup(uint32(0), &perCPU); err != nil {
+		return 0, fmt.Errorf("read the event budget: %w", err)
+	}
+	var n uint64
+	for _, b := range perCPU {
+		n += b.Dropped
+	}
+	return n, nil
+}

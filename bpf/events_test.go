@@ -52,6 +52,10 @@ func TestDenyEvents(t *testing.T) {
 	// keep the thread on one CPU, as a flood through one queue would be.
 	flood := tcp(peer4, pod4, 40000, 81).Marshal()
 	defer onOneCPU(t)()
+	droppedBefore, err := h.g.DroppedEvents()
+	if err != nil {
+		t.Fatal(err)
+	}
 	start := time.Now()
 	if _, _, err := h.id.Ingress.Benchmark(flood, 100000, nil); err != nil {
 		t.Fatal(err)
@@ -72,6 +76,14 @@ func TestDenyEvents(t *testing.T) {
 	}
 	if n == 0 || n > allowed {
 		t.Errorf("100000 denied packets produced %d events, want at most %d (a burst of 64 plus refills)", n, allowed)
+	}
+	// Every denied packet is an event or a dropped one.
+	dropped, err := h.g.DroppedEvents()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := dropped - droppedBefore; got != uint64(100000-n) {
+		t.Errorf("%d events written and %d counted dropped, want them to add up to the 100000 denied packets", n, got)
 	}
 	t.Logf("100000 denied packets, %d events", n)
 }

@@ -211,7 +211,10 @@ static __always_inline int policy_allows(int dir, const int family, __u8 isolate
 	return policy_lookup(a.w[0], a.w[1], sel);
 }
 
-static __always_inline int event_allowed(__u64 now)
+// take_event_token returns this CPU's budget with a token taken for one
+// event, or NULL when none is left, which it counts as a dropped event. The
+// value is per CPU, and TC programs run with preemption off: no atomics.
+static __always_inline struct event_budget *take_event_token(__u64 now)
 {
 	__u32 zero = 0;
 	struct event_budget *b = bpf_map_lookup_elem(&event_budget, &zero);
@@ -222,21 +225,26 @@ static __always_inline int event_allowed(__u64 now)
 		b->tokens = b->tokens + refill > EVENT_BURST ? EVENT_BURST : b->tokens + refill;
 		b->last_ns = now;
 	}
-	if (!b->tokens)
+	if (!b->tokens) {
+		b->dropped++;
 		return 0;
+	}
 	b->tokens--;
-	return 1;
+	return b;
 }
 
 static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason,
 				__u64 now)
 {
 	count(dir, reason);
-	if (!event_allowed(now))
+	struct event_budget *b = take_event_token(now);
+	if (!b)
 		return VERDICT_DROP;
 	struct deny_event *e = bpf_ringbuf_reserve(&deny_events, sizeof(*e), 0);
-	if (!e)
+	if (!e) {
+		b->dropped++; // no reader keeps up: the ring buffer is full
 		return VERDICT_DROP;
+	}
 	__builtin_memset(e, 0, sizeof(*e));
 	e->timestamp_ns = now;
 	e->ifindex = skb->ifindex;

@@ -65,9 +65,10 @@ type podfenceDenyEvent struct {
 }
 
 type podfenceEventBudget struct {
-	_      structs.HostLayout
-	LastNs uint64
-	Tokens uint64
+	_       structs.HostLayout
+	LastNs  uint64
+	Tokens  uint64
+	Dropped uint64
 }
 
 type podfenceFragKey struct {

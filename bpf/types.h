@@ -160,6 +160,8 @@ struct deny_event {
 struct event_budget {
 	__u64 last_ns;
 	__u64 tokens;
+	// Deny events not written: no token left, or the ring buffer full.
+	__u64 dropped;
 };
 
 // Per-CPU cache of the clock: the conntrack time of the current jiffy.
