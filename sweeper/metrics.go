@@ -138,3 +138,15 @@ func (m *metrics) mirror(rep policymirror.Report, err error) {
 	m.mirrorObjects.Set(float64(rep.Selected))
 	m.mirrorInvalid.Set(float64(rep.Invalid))
 }
+
+// registerDroppedEvents reports the deny events the datapath did not write
+// (rate limit, full ring buffer), read from the node's maps at each scrape.
+func registerDroppedEvents(reg prometheus.Registerer, g *bpf.Global) {
+	reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "podfence_deny_events_dropped_total",
+		Help: "Deny events the datapath did not write: over its rate limit (about one per millisecond per CPU, bursts of 64) or with the ring buffer full.",
+	}, func() float64 {
+		n, _ := g.DroppedEvents()
+		return float64(n)
+	}))
+}

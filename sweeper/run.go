@@ -85,6 +85,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	}
 	reg := prometheus.NewRegistry()
 	r.m = newMetrics(reg, c.pinRoot)
+	registerDroppedEvents(reg, r.g)
 	if *source == sourceKubernetes {
 		if r.mirror, err = newMirror(*kubeconfig, *policyDir, r.m, log); err != nil {
 			return err

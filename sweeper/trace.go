@@ -43,9 +43,12 @@ type traceEvent struct {
 // reported, the rest being rate-limited (one event per millisecond per CPU,
 // bursts of 64).
 type traceSummary struct {
-	Events         int    `json:"events"`
-	DeniedPackets  uint64 `json:"denied_packets"`
-	NotReported    uint64 `json:"not_reported"`
+	Events        int    `json:"events"`
+	DeniedPackets uint64 `json:"denied_packets"`
+	NotReported   uint64 `json:"not_reported"`
+	// DroppedEvents is the datapath's own count of the events it did not
+	// write meanwhile (rate limit, or the ring buffer full).
+	DroppedEvents  uint64 `json:"dropped_events"`
 	DurationMillis int64  `json:"duration_ms"`
 }
 
@@ -88,6 +91,10 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 
 	r := newResolver(c.pinRoot, *policyDir)
 	deniedBefore := r.denied()
+	droppedBefore, err := g.DroppedEvents()
+	if err != nil {
+		return err
+	}
 	// Monotonic event timestamps to wall time: the offset now.
 	var ts unix0
 	n := 0
@@ -134,11 +141,14 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 	if *pod == "" && sum.DeniedPackets > uint64(n) {
 		sum.NotReported = sum.DeniedPackets - uint64(n)
 	}
+	if after, err := g.DroppedEvents(); err == nil && after >= droppedBefore {
+		sum.DroppedEvents = after - droppedBefore
+	}
 	if c.json {
 		return writeJSONLine(stdout, map[string]traceSummary{"summary": sum})
 	}
-	fmt.Fprintf(stderr, "%d events; %d packets denied meanwhile on the node, %d of them not reported (rate-limited)\n",
-		sum.Events, sum.DeniedPackets, sum.NotReported)
+	fmt.Fprintf(stderr, "%d events; %d packets denied meanwhile on the node, %d of them not reported; the datapath dropped %d events (rate limit or full ring buffer)\n",
+		sum.Events, sum.DeniedPackets, sum.NotReported, sum.DroppedEvents)
 	return nil
 }
 
