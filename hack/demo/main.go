@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -162,6 +163,14 @@ spec:
 	step("What the node shows: podfence-sweeper ls, then dump conntrack (the entries those connections left).")
 	for _, args := range [][]string{{"ls"}, {"dump", "conntrack"}} {
 		if err := d.sweeper(binDir, args...); err != nil {
+			return err
+		}
+	}
+
+	step("Why: podfence-sweeper why runs the web pod's own program on a packet, against the live maps, changing nothing.")
+	for _, from := range []*pod{frontend, intruder} {
+		if err := d.sweeper(binDir, "why", "--policy-dir", d.policies, "--pod", web1.name+".default",
+			"--from", from.ip.String(), "8080/tcp"); err != nil {
 			return err
 		}
 	}
@@ -369,7 +378,13 @@ func (d *demo) cleanup() error {
 
 // sweeper runs podfence-sweeper in the node namespace, its output indented.
 func (d *demo) sweeper(binDir string, args ...string) error {
-	args = append(args, "--pin-root", d.pinRoot)
+	// --pin-root after the command's words and before its other flags:
+	// why ends with a port, after which no flag is read.
+	i := slices.IndexFunc(args, func(a string) bool { return strings.HasPrefix(a, "-") })
+	if i < 0 {
+		i = len(args)
+	}
+	args = slices.Insert(args, i, "--pin-root", d.pinRoot)
 	var out []byte
 	err := d.node.Do(func(ns.NetNS) error {
 		var err error
