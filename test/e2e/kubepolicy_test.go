@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"sigs.k8s.io/yaml"
 
+	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/test/kubeapi"
 	"github.com/podfence/podfence/test/netnsutil"
@@ -359,5 +360,27 @@ func (c *cluster) setPluginConf(t *testing.T, key string, value any) {
 	c.confBytes = data
 	if c.list, err = libcni.ConfListFromBytes(data); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestFilesSourceClearsUnsyncedMark: a Kubernetes-source sweeper that died
+// before its first sync leaves the directory marked unsynced; a sweeper
+// that follows files instead takes the files as the truth, removes the
+// mark, and programs them.
+func TestFilesSourceClearsUnsyncedMark(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client, intruder, web := c.guardedWeb(t)
+	if err := policy.MarkUnsynced(c.policyDir); err != nil {
+		t.Fatal(err)
+	}
+	c.renamePolicy(t, "web", backendPolicy(intruder.ip, backendPort))
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	logs.waitFor(t, "removed the unsynced mark", 10*time.Second)
+	if synced, err := policy.Synced(c.policyDir); err != nil || !synced {
+		t.Errorf("Synced = %v, %v after a files-source start, want true", synced, err)
+	}
+	waitConnects(t, intruder, web, backendPort, true, time.Now(), 2*time.Second)
+	if c.connects(client, web, backendPort) {
+		t.Error("the client is still let in: the files were not programmed")
 	}
 }
