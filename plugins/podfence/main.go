@@ -189,13 +189,16 @@ func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
 	// After a restart the sweeper's mirror has not confirmed these files
 	// with the API yet: a strict pod opens nothing on their word (the
 	// sweeper programs it at the first sync); a standard pod gets the last
-	// policy known, which is closer to the truth than none.
-	synced, err := policy.Synced(conf.PolicyDir)
-	if err != nil {
-		return policy.Set{}, policyError(conf, err)
-	}
-	if !synced && conf.mode == policy.ModeStrict {
-		docs = nil
+	// policy known, which is closer to the truth than none, so only strict
+	// ADDs pay for the look.
+	if conf.mode == policy.ModeStrict {
+		synced, err := policy.Synced(conf.PolicyDir)
+		if err != nil {
+			return policy.Set{}, policyError(conf, err)
+		}
+		if !synced {
+			docs = nil
+		}
 	}
 	return policy.ForIdentifier(docs, id, conf.mode), nil
 }
