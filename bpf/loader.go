@@ -440,8 +440,9 @@ func isConstants(id ebpf.MapID) (bool, error) {
 	return err == nil && strings.HasSuffix(name, ".rodata"), err
 }
 
-// constantSections is how many .rodata maps a load of the programs creates.
-func constantSections() int {
+// constantSections is how many .rodata maps a load of the programs creates,
+// counted once per process from the embedded object.
+var constantSections = sync.OnceValue(func() int {
 	cs, err := collectionSpec()
 	if err != nil {
 		return 0
@@ -453,7 +454,7 @@ func constantSections() int {
 		}
 	}
 	return n
-}
+})
 
 // loadPrograms loads the two programs at once, each in a goroutine of its
 // own: the kernel verifies privileged loads concurrently, and verification
