@@ -95,8 +95,7 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	// Monotonic event timestamps to wall time: the offset now.
-	var ts unix0
+	toWall := monotonicToWall()
 	n := 0
 	for *count == 0 || n < *count {
 		e, err := events.Read()
@@ -106,7 +105,7 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 			}
 			return err
 		}
-		te := r.describe(e, ts.wall(e.Timestamp))
+		te := r.describe(e, toWall(e.Timestamp))
 		if *pod != "" && string(te.Identifier) != *pod && !strings.HasPrefix(te.Container, *pod) {
 			continue
 		}
@@ -152,16 +151,13 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
-// unix0 converts CLOCK_MONOTONIC event times to wall time.
-type unix0 struct{ offset time.Duration }
-
-func (u *unix0) wall(mono time.Duration) time.Time {
-	if u.offset == 0 {
-		var now unix.Timespec
-		_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &now)
-		u.offset = time.Duration(time.Now().UnixNano()) - time.Duration(now.Nano())
-	}
-	return time.Unix(0, int64(u.offset+mono))
+// monotonicToWall converts the CLOCK_MONOTONIC times of deny events to wall
+// time, with the offset between the two clocks taken now.
+func monotonicToWall() func(time.Duration) time.Time {
+	var mono unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono)
+	offset := time.Duration(time.Now().UnixNano()) - time.Duration(mono.Nano())
+	return func(d time.Duration) time.Time { return time.Unix(0, int64(offset+d)) }
 }
 
 // resolver names the pod behind a host veth's ifindex, and the documents

@@ -27,6 +27,8 @@ type whyResult struct {
 	Verdict     string             `json:"verdict"` // allow or deny
 	Reason      string             `json:"reason"`
 	Explanation policy.Explanation `json:"explanation"`
+
+	reason bpf.Reason
 }
 
 // whyProtocols are the protocols a trial packet can be built for.
@@ -56,14 +58,16 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
-	if err := checkPinRoot(c.pinRoot, false); err != nil {
+	g, err := openGlobal(&c, false)
+	if err != nil {
 		return err
 	}
+	defer g.Close()
 	views, err := listIdentifiers(c.pinRoot)
 	if err != nil {
 		return err
 	}
-	member, podAddr, err := q.member(views)
+	mode, member, podAddr, err := q.member(views)
 	if err != nil {
 		return err
 	}
@@ -71,22 +75,12 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if q.dir == policy.Egress {
 		pkt.Src, pkt.Dst = podAddr, q.peer
 	}
-
-	g, err := openGlobal(&c, false)
-	if err != nil {
-		return err
-	}
-	defer g.Close()
 	store := membership.New(c.pinRoot)
 	lock, err := store.Lock(q.id, false)
 	if err != nil {
 		return err
 	}
 	defer lock.Unlock()
-	info, err := bpf.InspectIdentifier(c.pinRoot, q.id)
-	if err != nil {
-		return err
-	}
 	ident, err := bpf.OpenIdentifier(g, c.pinRoot, q.id)
 	if err != nil {
 		return err
@@ -103,8 +97,8 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	res := whyResult{Identifier: q.id, Container: member.ContainerID, Direction: q.dir.String(),
 		Protocol: policy.Protocol(q.proto).String(),
 		Src:      netip.AddrPortFrom(pkt.Src, pkt.SrcPort).String(), Dst: netip.AddrPortFrom(pkt.Dst, pkt.DstPort).String(),
-		Verdict: "allow", Reason: reason.String(),
-		Explanation: policy.Explain(docs, q.id, info.Mode, q.dir, q.peer, q.proto, q.port)}
+		Verdict: "allow", Reason: reason.String(), reason: reason,
+		Explanation: policy.Explain(docs, q.id, mode, q.dir, q.peer, q.proto, q.port)}
 	if ret != bpf.VerdictAllow {
 		res.Verdict = "deny"
 	}
@@ -118,7 +112,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 func printWhy(w io.Writer, r whyResult) {
 	fmt.Fprintf(w, "%s %s %s %s -> %s: %s (%s)\n", r.Identifier, r.Direction, r.Protocol, r.Src, r.Dst, r.Verdict, r.Reason)
 	e := r.Explanation
-	switch bpfReason(r.Reason) {
+	switch r.reason {
 	case bpf.ReasonNotIsolated:
 		fmt.Fprintf(w, "  no policy isolates the pod's %s\n", r.Direction)
 	case bpf.ReasonNode:
@@ -153,15 +147,6 @@ func describeRule(ref policy.RuleRef) string {
 		s += ", but not this port"
 	}
 	return s
-}
-
-func bpfReason(name string) bpf.Reason {
-	for r := range bpf.NumReasons {
-		if r.String() == name {
-			return r
-		}
-	}
-	return bpf.NumReasons
 }
 
 // whyQuery is a parsed `why` command line.
@@ -225,9 +210,9 @@ func parseWhy(pod, from, to string, rest []string) (whyQuery, error) {
 	return q, nil
 }
 
-// member finds a member of the identifier whose veth is present, and its
-// address of the peer's family.
-func (q whyQuery) member(views []identifierView) (memberView, netip.Addr, error) {
+// member finds the identifier's mode, a member of it whose veth is present,
+// and that member's address of the peer's family.
+func (q whyQuery) member(views []identifierView) (policy.Mode, memberView, netip.Addr, error) {
 	for _, v := range views {
 		if v.ID != q.id {
 			continue
@@ -238,11 +223,11 @@ func (q whyQuery) member(views []identifierView) (memberView, netip.Addr, error)
 			}
 			for _, s := range m.IPs {
 				if p, err := netip.ParsePrefix(s); err == nil && p.Addr().Is4() == q.peer.Is4() {
-					return m, p.Addr(), nil
+					return policy.Mode(v.Mode), m, p.Addr(), nil
 				}
 			}
 		}
-		return memberView{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
+		return "", memberView{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
 	}
-	return memberView{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
+	return "", memberView{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
 }
