@@ -74,7 +74,6 @@ type Report struct {
 	Written  int // files written (new or changed)
 	Removed  int // files removed (object deleted, or no longer on this node)
 	Invalid  int // objects podfence cannot parse: their last good file stays
-	First    bool
 	Duration time.Duration
 }
 
@@ -179,7 +178,6 @@ func (m *Mirror) Run(ctx context.Context) error {
 	retry.Stop()
 	for {
 		rep, err := m.reconcile()
-		rep.First = first
 		if m.opts.OnReconcile != nil {
 			m.opts.OnReconcile(rep, err)
 		}

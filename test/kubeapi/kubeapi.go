@@ -28,7 +28,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -141,12 +140,6 @@ func Start(tb testing.TB, opts Options) *Server {
 	s.startAPI()
 	return s
 }
-
-// URL is the API server's address, reachable from inside Options.Netns.
-func (s *Server) URL() string { return s.url }
-
-// Dir is the server's scratch directory (logs, credentials).
-func (s *Server) Dir() string { return s.dir }
 
 // Config is an admin client configuration that dials into the server's
 // namespace from wherever the test runs.
@@ -430,29 +423,4 @@ func (s *Server) writeFile(name, content string) string {
 		s.tb.Fatal(err)
 	}
 	return path
-}
-
-// Requests is how many verb requests (LIST, WATCH, GET...) on resource the
-// API server has answered since it started, from its own metrics.
-func (s *Server) Requests(ctx context.Context, verb, resource string) int {
-	s.tb.Helper()
-	cs, _ := s.Clients()
-	page, err := cs.CoreV1().RESTClient().Get().AbsPath("/metrics").DoRaw(ctx)
-	if err != nil {
-		s.tb.Fatalf("API server metrics: %v", err)
-	}
-	n := 0
-	for _, line := range strings.Split(string(page), "\n") {
-		if !strings.HasPrefix(line, "apiserver_request_total{") ||
-			!strings.Contains(line, `resource="`+resource+`"`) || !strings.Contains(line, `verb="`+verb+`"`) {
-			continue
-		}
-		fields := strings.Fields(line)
-		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
-		if err != nil {
-			s.tb.Fatalf("API server metrics: %q: %v", line, err)
-		}
-		n += int(v)
-	}
-	return n
 }
