@@ -87,6 +87,16 @@ type Mirror struct {
 	// written is what Dir holds, by file name; it starts from what an
 	// earlier run left, so a restart rewrites only what changed meanwhile.
 	written map[string][]byte
+	// rendered is each selected object's document at the resourceVersion
+	// it was rendered and parsed at: every event reconciles the whole
+	// store, and only the objects that changed pay for a render again.
+	rendered map[string]rendering
+}
+
+type rendering struct {
+	resourceVersion string
+	data            []byte
+	err             error // Render's, or the plugin's parser's
 }
 
 // New prepares a Mirror of client's PolicyEndpoints into opts.Dir and marks
@@ -118,6 +128,7 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 		changed:  make(chan struct{}, 1),
 		synced:   make(chan struct{}),
 		written:  written,
+		rendered: make(map[string]rendering),
 	}
 	kick := func(any) { m.Kick() }
 	if _, err := m.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -225,27 +236,40 @@ func (m *Mirror) reconcile() (Report, error) {
 	objs := m.informer.GetStore().List()
 	rep := Report{Objects: len(objs)}
 	want := make(map[string][]byte, len(m.written))
+	seen := make(map[string]bool, len(m.rendered))
 	for _, obj := range objs {
 		u, ok := obj.(*unstructured.Unstructured)
 		if !ok || !SelectsNode(u, addrs) {
 			continue
 		}
 		name := FileName(u.GetNamespace(), u.GetName())
-		data, err := Render(u)
-		if err == nil {
-			// One object the plugin cannot parse would make the whole
-			// directory invalid, and freeze every identifier's policy.
-			_, err = policy.Parse(bytes.NewReader(data), name)
+		r, ok := m.rendered[name]
+		if rv := u.GetResourceVersion(); !ok || rv == "" || r.resourceVersion != rv {
+			r = rendering{resourceVersion: rv}
+			r.data, r.err = Render(u)
+			if r.err == nil {
+				// One object the plugin cannot parse would make the
+				// whole directory invalid, and freeze every
+				// identifier's policy.
+				_, r.err = policy.Parse(bytes.NewReader(r.data), name)
+			}
+			m.rendered[name] = r
 		}
-		if err != nil {
+		seen[name] = true
+		if r.err != nil {
 			rep.Invalid++
-			m.opts.Log.Warn("PolicyEndpoint not mirrored; its last good version stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", err)
+			m.opts.Log.Warn("PolicyEndpoint not mirrored; its last good version stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.err)
 			if old, ok := m.written[name]; ok {
 				want[name] = old
 			}
 			continue
 		}
-		want[name] = data
+		want[name] = r.data
+	}
+	for name := range m.rendered {
+		if !seen[name] {
+			delete(m.rendered, name)
+		}
 	}
 	rep.Selected = len(want)
 	var errs []error
