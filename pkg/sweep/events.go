@@ -35,7 +35,9 @@ func (s *Sweeper) Follow(ev *ctnetlink.Events, report func(EventReport)) error {
 		var r EventReport
 		err := ev.Read(func(f *ctnetlink.Flow) {
 			r.Events++
-			received := Monotonic()
+			// The datapath's clock lags: a packet just after the event
+			// may record a time just before it.
+			received := Monotonic() - clockSlack
 			for _, k := range liveness.FlowKeys(liveness.Key(f.Orig), liveness.Key(f.Reply)) {
 				r.Deleted += s.deleteIfIdle(k, received)
 			}
