@@ -19,7 +19,33 @@ type mapLayout struct {
 	typ              ebpf.MapType
 	keySize, valSize uint32
 	maxEntries       uint32
+	// carry is what a build of another layout does with the map's
+	// entries; since is the LayoutVersion in which their format or
+	// meaning last changed.
+	carry carry
+	since uint32
 }
+
+// carry says how a map of another layout (an earlier build's pin) becomes
+// one of this layout while pods use it.
+type carry uint8
+
+const (
+	// carryKeep: only a pin of exactly this layout is used; any other is
+	// refused. The conntrack maps are kept: both ends of a flow look up
+	// the same entry, and programs of the earlier build go on writing
+	// into its map until every member has moved, so a copy would lose
+	// the flows that start meanwhile.
+	carryKeep carry = iota
+	// carryCopy: a new map gets the pin's entries, which must have this
+	// layout's key and value sizes and a format unchanged since the pin's
+	// layout (since). Policy, state and counters: a member must enforce
+	// from its first packet on the new programs what it enforced on the old.
+	carryCopy
+	// carryFresh: a new, empty map; what it held is rebuilt or expendable
+	// (rate limiter, clock cache, unread events).
+	carryFresh
+)
 
 var (
 	ctV4Size     = uint32(unsafe.Sizeof(podfenceCtKeyV4{}))
@@ -35,20 +61,20 @@ var (
 )
 
 var layouts = map[string]mapLayout{
-	mapCTv4:            {ebpf.LRUHash, ctV4Size, ctValueSize, 131072},
-	mapCTv6:            {ebpf.LRUHash, ctV6Size, ctValueSize, 65536},
-	mapNodeAddrs:       {ebpf.Hash, 16, 1, 256},
-	mapDenyEvents:      {ebpf.RingBuf, 0, 0, 256 * 1024},
-	mapEventBudget:     {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1},
-	mapFrags:           {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192},
-	mapTickClock:       {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1},
-	mapState:           {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1},
-	mapCounters:        {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons)},
-	pinpath.MapPolInV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
-	pinpath.MapPolInV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
-	pinpath.MapPolEgV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity},
-	pinpath.MapPolEgV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity},
-	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity},
+	mapCTv4:            {ebpf.LRUHash, ctV4Size, ctValueSize, 131072, carryKeep, 1},
+	mapCTv6:            {ebpf.LRUHash, ctV6Size, ctValueSize, 65536, carryKeep, 1},
+	mapNodeAddrs:       {ebpf.Hash, 16, 1, 256, carryCopy, 1},
+	mapDenyEvents:      {ebpf.RingBuf, 0, 0, 256 * 1024, carryFresh, 1},
+	mapEventBudget:     {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1, carryFresh, 1},
+	mapFrags:           {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192, carryCopy, 1},
+	mapTickClock:       {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1, carryFresh, 1},
+	mapState:           {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1, carryCopy, 1},
+	mapCounters:        {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons), carryCopy, 1},
+	pinpath.MapPolInV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1},
+	pinpath.MapPolInV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1},
+	pinpath.MapPolEgV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1},
+	pinpath.MapPolEgV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1},
+	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity, carryCopy, 1},
 }
 
 // checkLayout compares a pinned map with the layout its name should have;
@@ -70,4 +96,54 @@ func checkLayout(name string, m *ebpf.Map, maxEntries uint32) error {
 			m.Type(), m.KeySize(), m.ValueSize(), m.MaxEntries(), want.typ, want.keySize, want.valSize, want.maxEntries)
 	}
 	return nil
+}
+
+// renewal is what becomes of one pinned map when this build opens it.
+type renewal uint8
+
+const (
+	renewReuse  renewal = iota // the pin has this layout: use it
+	renewCreate                // nothing is pinned: create it
+	renewCopy                  // a new map, with the pin's entries
+	renewFresh                 // a new, empty map
+)
+
+// planRenewal decides what becomes of the map pinned as name (m, nil when
+// nothing is), made by a build of layout from. An error wraps
+// ErrIncompatiblePin: this build cannot take the pin over.
+func planRenewal(name string, m *ebpf.Map, from uint32, maxEntries uint32) (renewal, error) {
+	if m == nil {
+		return renewCreate, nil
+	}
+	err := checkLayout(name, m, maxEntries)
+	if err == nil {
+		return renewReuse, nil
+	}
+	want := layouts[name]
+	switch want.carry {
+	case carryFresh:
+		return renewFresh, nil
+	case carryCopy:
+		if m.Type() != want.typ || m.KeySize() != want.keySize || m.ValueSize() != want.valSize {
+			return 0, fmt.Errorf("%w: %w (its entries cannot be copied: the layout does not say how they convert)", ErrIncompatiblePin, err)
+		}
+		if want.since > from {
+			return 0, fmt.Errorf("%w: its entries changed meaning in layout %d and the pin is layout %d, from which this build has no conversion",
+				ErrIncompatiblePin, want.since, from)
+		}
+		return renewCopy, nil
+	}
+	return 0, fmt.Errorf("%w: %w", ErrIncompatiblePin, err)
+}
+
+func (c carry) String() string {
+	switch c {
+	case carryKeep:
+		return "keep"
+	case carryCopy:
+		return "copy"
+	case carryFresh:
+		return "fresh"
+	}
+	return fmt.Sprintf("carry(%d)", uint8(c))
 }

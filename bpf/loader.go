@@ -2,9 +2,7 @@ package bpf
 
 import (
 	"cmp"
-	"crypto/rand"
 	"crypto/sha256"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -165,6 +163,10 @@ type Global struct {
 	Frags       *ebpf.Map
 	TickClock   *ebpf.Map
 
+	// Renewal is what opening changed: the maps of an earlier layout it
+	// replaced (Programs is always false here).
+	Renewal Renewal
+
 	dir string // where they are pinned; SyncNodeAddrs locks it
 }
 
@@ -174,9 +176,12 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 	return OpenGlobalWith(pinRoot, GlobalOptions{})
 }
 
-// OpenGlobalWith is OpenGlobal with the node's settings. A pinned map of
-// another layout, or another size than opts asks for, is an error wrapping
-// ErrIncompatiblePin.
+// OpenGlobalWith is OpenGlobal with the node's settings. Pins of an
+// earlier layout are taken over (see renew.go): maps this layout keeps are
+// reused, others replaced by new ones, under the global directory's lock
+// held exclusively, while every other opener holds it shared. A pin that
+// cannot be taken over, or another size than opts asks for, is an error
+// wrapping ErrIncompatiblePin; pins of a later layout, ErrNewerLayout.
 func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
 	for _, n := range []uint32{opts.CTv4Entries, opts.CTv6Entries} {
 		if err := CheckCTEntries(n); err != nil {
@@ -187,23 +192,47 @@ func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
-	maps := make(map[string]*ebpf.Map, len(globalMaps))
-	for _, name := range globalMaps {
-		m, err := openPinnedMap(name, dir, opts.entries(name))
-		if err != nil {
-			closeMaps(maps)
+	g, err := openGlobalDir(dir, opts, unix.LOCK_SH)
+	if errors.Is(err, errRenewalNeeded) {
+		g, err = openGlobalDir(dir, opts, unix.LOCK_EX)
+	}
+	return g, err
+}
+
+func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
+	lock, err := lockDir(dir, how)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Close()
+	s, err := openMapSet(dir, globalMaps, opts.entries, how == unix.LOCK_EX, errRenewalNeeded)
+	if err != nil {
+		return nil, err
+	}
+	rn := Renewal{From: s.from, Maps: s.renewed}
+	if err := s.commit(); err != nil {
+		closeMaps(s.maps)
+		return nil, err
+	}
+	if !s.marked || s.marker.version != LayoutVersion {
+		if how != unix.LOCK_EX {
+			closeMaps(s.maps)
+			return nil, errRenewalNeeded
+		}
+		if err := writeMarker(dir, marker{version: LayoutVersion}); err != nil {
+			closeMaps(s.maps)
 			return nil, err
 		}
-		maps[name] = m
 	}
 	return &Global{
-		CTv4:        maps[mapCTv4],
-		CTv6:        maps[mapCTv6],
-		NodeAddrs:   maps[mapNodeAddrs],
-		DenyEvents:  maps[mapDenyEvents],
-		EventBudget: maps[mapEventBudget],
-		Frags:       maps[mapFrags],
-		TickClock:   maps[mapTickClock],
+		CTv4:        s.maps[mapCTv4],
+		CTv6:        s.maps[mapCTv6],
+		NodeAddrs:   s.maps[mapNodeAddrs],
+		DenyEvents:  s.maps[mapDenyEvents],
+		EventBudget: s.maps[mapEventBudget],
+		Frags:       s.maps[mapFrags],
+		TickClock:   s.maps[mapTickClock],
+		Renewal:     rn,
 		dir:         dir,
 	}, nil
 }
@@ -294,57 +323,99 @@ type Identifier struct {
 // they exist and are compatible, loading and pinning them otherwise. The
 // caller must serialise calls for the same identifier (the CNI plugin holds
 // the identifier's lock); a fresh identifier allows everything until
-// ApplyPolicy programs it.
+// ApplyPolicy programs it. Pins that an earlier layout made, or programs
+// that do not use the node's maps, are refused (ErrIncompatiblePin):
+// RenewIdentifier takes them over.
 func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error) {
+	ident, _, err := openIdentifier(g, pinRoot, id, false)
+	return ident, err
+}
+
+// Renewal is what RenewIdentifier changed.
+type Renewal struct {
+	// From is the layout of the pins found (this build's for a new identifier).
+	From uint32
+	// Maps are the maps replaced by new ones of this layout.
+	Maps []string
+	// Programs says that pinned programs of another build, or of the
+	// replaced maps, were replaced by this build's: the members still run
+	// the old ones until they are moved (lifecycle.MoveMembers).
+	Programs bool
+}
+
+// RenewIdentifier is OpenIdentifier for a caller that moves the members
+// too: pins of an earlier layout are taken over (maps copied into new ones
+// of this layout, see renew.go), and programs of another build, or that use
+// other maps than the node's and the identifier's, are replaced by this
+// build's. Only pins this build cannot take over are refused
+// (ErrIncompatiblePin; a later layout's, ErrNewerLayout).
+func RenewIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, Renewal, error) {
+	return openIdentifier(g, pinRoot, id, true)
+}
+
+var errIdentifierRenewal = fmt.Errorf("%w: the pin is another layout's (podfence-sweeper upgrade moves the identifier to this build)", ErrIncompatiblePin)
+
+func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identifier, Renewal, error) {
 	if !podid.Valid(string(id)) {
-		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
+		return nil, Renewal{}, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
 	}
 	dir := pinpath.Root(pinRoot).Identifier(id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("create pin directory: %w", err)
+		return nil, Renewal{}, fmt.Errorf("create pin directory: %w", err)
 	}
-
-	ident := &Identifier{ID: id, Dir: dir, global: g}
-	if err := ident.openMaps(dir); err != nil {
-		return nil, fmt.Errorf("identifier %q: %w", id, err)
-	}
-	reused, err := ident.openPinnedPrograms(g)
+	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, renew, errIdentifierRenewal)
 	if err != nil {
-		ident.Close()
-		return nil, fmt.Errorf("identifier %q: %w", id, err)
+		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
 	}
-	if reused {
-		return ident, nil
-	}
-	if err := ident.loadPrograms(g); err != nil {
-		ident.Close()
-		return nil, fmt.Errorf("identifier %q: %w", id, err)
-	}
-	return ident, nil
-}
-
-func (i *Identifier) openMaps(dir string) error {
-	_, statePinned := os.Stat(filepath.Join(dir, mapState))
-	fields := i.mapFields()
-	for _, name := range identifierMaps {
-		m, err := openPinnedMap(name, dir, 0)
-		if err != nil {
-			return err
-		}
+	ident := &Identifier{ID: id, Dir: dir, global: g}
+	fields := ident.mapFields()
+	for name, m := range s.maps {
 		*fields[name] = m
 	}
-	if statePinned != nil {
-		// A fresh identifier starts at a random generation, so conntrack
-		// entries left by an earlier identifier of the same name are
-		// re-checked rather than trusted.
-		var b [4]byte
-		_, _ = rand.Read(b[:])
-		st := podfenceIdState{Generation: binary.LittleEndian.Uint32(b[:])}
-		if err := i.State.Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("initialise state: %w", err)
+	rn := Renewal{From: s.from, Maps: s.renewed}
+	fail := func(err error) (*Identifier, Renewal, error) {
+		ident.Close()
+		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	if s.fresh[mapState] {
+		st := podfenceIdState{Generation: randomGeneration()}
+		if err := ident.State.Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
+			return fail(fmt.Errorf("initialise state: %w", err))
 		}
 	}
-	return nil
+
+	// Pinned programs are this build's to reuse when the maps stay and
+	// the marker names this object; a caller that does not renew takes
+	// whatever uses exactly these maps.
+	sameBuild := s.marked && s.marker.object == objectID()
+	if len(s.renewed) == 0 && (!renew || sameBuild) {
+		reused, err := ident.openPinnedPrograms(g)
+		if err == nil && reused {
+			return ident, rn, nil
+		}
+		if err != nil && !renew {
+			return fail(err)
+		}
+	}
+	_, errIn := os.Stat(filepath.Join(dir, pinpath.ProgIngress))
+	_, errEg := os.Stat(filepath.Join(dir, pinpath.ProgEgress))
+	rn.Programs = errIn == nil || errEg == nil
+	if err := ident.loadPrograms(g); err != nil {
+		return fail(err)
+	}
+	// The maps go before the programs: a kill in between leaves pinned
+	// programs that do not use the pinned maps, which the next renewal
+	// replaces.
+	if err := s.commit(); err != nil {
+		return fail(err)
+	}
+	if err := ident.pinPrograms(); err != nil {
+		return fail(err)
+	}
+	if err := writeMarker(dir, marker{version: LayoutVersion, object: objectID()}); err != nil {
+		return fail(err)
+	}
+	return ident, rn, nil
 }
 
 // mapFields are the identifier's map fields by pin name (identifierMaps).
@@ -456,9 +527,9 @@ var constantSections = sync.OnceValue(func() int {
 	return n
 })
 
-// loadPrograms loads the two programs at once, each in a goroutine of its
-// own: the kernel verifies privileged loads concurrently, and verification
-// is most of what a first replica's ADD waits for.
+// loadPrograms loads the two programs at once, unpinned, each in a
+// goroutine of its own: the kernel verifies privileged loads concurrently,
+// and verification is most of what a first replica's ADD waits for.
 func (i *Identifier) loadPrograms(g *Global) error {
 	cs, err := loadableSpec()
 	if err != nil {
@@ -491,7 +562,11 @@ func (i *Identifier) loadPrograms(g *Global) error {
 		return err
 	}
 	i.Ingress, i.Egress = progs[0], progs[1]
+	return nil
+}
 
+// pinPrograms pins the programs loadPrograms loaded, in place of any pins.
+func (i *Identifier) pinPrograms() error {
 	for _, p := range []struct {
 		prog *ebpf.Program
 		pin  string
@@ -535,17 +610,18 @@ func loadProgram(cs *ebpf.CollectionSpec, name string, repl map[string]*ebpf.Map
 	return p, nil
 }
 
-// pinReplacing pins p at path. A stale pin (left by a killed plugin) is
-// replaced through a rename so that the path never goes missing.
-func pinReplacing(p *ebpf.Program, path string) error {
+// pinReplacing pins p (a program or a map) at path. A pin already there (a
+// stale one left by a killed plugin, an earlier build's) is replaced
+// through a rename, so that the path never goes missing.
+func pinReplacing(p interface{ Pin(string) error }, path string) error {
 	tmp := path + "~new"
 	_ = os.Remove(tmp)
 	if err := p.Pin(tmp); err != nil {
-		return fmt.Errorf("pin program %s: %w", path, err)
+		return fmt.Errorf("pin %s: %w", path, err)
 	}
 	if err := os.Rename(tmp, path); err != nil {
 		_ = os.Remove(tmp)
-		return fmt.Errorf("pin program %s: %w", path, err)
+		return fmt.Errorf("pin %s: %w", path, err)
 	}
 	return nil
 }
@@ -576,6 +652,7 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 	}
 	dir := pinpath.Root(pinRoot).Identifier(id)
 	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress}, identifierMaps...) // programs first, as in RemoveIdentifier
+	pins = append(pins, pinpath.Layout)
 	for _, pin := range pins {
 		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove objects of %q: %w", id, err)

@@ -4,6 +4,7 @@
 // it, so all three spell it through this package:
 //
 //	<root>/global/<map>                           maps shared by every identifier on the node
+//	<root>/global/layout, <root>/ids/<id>/layout  the layout version (and build) of the maps there
 //	<root>/ids/<identifier>/prog_ingress|egress   the identifier's programs
 //	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets
 //	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
@@ -32,6 +33,11 @@ const (
 	// StatusDir holds one empty directory per datapath build and kernel
 	// that STATUS has verified (bpffs holds no regular files).
 	StatusDir = "status"
+	// Layout is a symlink in the global directory and in each
+	// identifier's whose target records the layout version of the maps
+	// there and, in an identifier's, the datapath object whose programs
+	// are pinned (package bpf reads and writes it).
+	Layout = "layout"
 	// PolicyError is a symlink whose target records why the policy
 	// directory was last refused, and since when; absent while it is valid.
 	PolicyError = "policy-error"

@@ -1,0 +1,346 @@
+package bpf
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/kernel"
+)
+
+var updateLayout = flag.Bool("update-layout", false, "rewrite testdata/layout-v<LayoutVersion>.txt from the layouts table")
+
+// TestLayoutRecorded holds the layouts table to the record of its version:
+// a change to a map's type, sizes, capacity or carry without a new
+// LayoutVersion (and a record of it, with -update-layout) fails here, so
+// that pins of two different layouts never carry the same version.
+func TestLayoutRecorded(t *testing.T) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# podfence pin layout %d: map type key-size value-size max-entries carry since\n", LayoutVersion)
+	for _, name := range slices.Sorted(maps.Keys(layouts)) {
+		l := layouts[name]
+		fmt.Fprintf(&b, "%s %s %d %d %d %s %d\n", name, l.typ, l.keySize, l.valSize, l.maxEntries, l.carry, l.since)
+	}
+	path := filepath.Join("testdata", fmt.Sprintf("layout-v%d.txt", LayoutVersion))
+	if *updateLayout {
+		if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v: a new LayoutVersion needs its record (go test ./bpf -run TestLayoutRecorded -update-layout)", err)
+	}
+	if b.String() != string(want) {
+		t.Errorf("the layouts table is not layout %d's as %s records it: bump LayoutVersion (and since, for maps whose entries changed), then record it with -update-layout\ngot:\n%s\nwant:\n%s",
+			LayoutVersion, path, b.String(), want)
+	}
+}
+
+func TestParseMarker(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want marker
+		ok   bool
+	}{
+		{"v1", marker{version: 1}, true},
+		{"v2 object=9f86d081884c7d65", marker{version: 2, object: "9f86d081884c7d65"}, true},
+		{"v3 object=ab extra=1", marker{version: 3, object: "ab"}, true},
+		{"", marker{}, false},
+		{"v", marker{}, false},
+		{"v0", marker{}, false},
+		{"1", marker{}, false},
+		{"vx object=ab", marker{}, false},
+		{"v99999999999", marker{}, false},
+	} {
+		got, err := parseMarker(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseMarker(%q) = %+v, %v; want %+v, ok %v", tc.in, got, err, tc.want, tc.ok)
+		}
+		if tc.ok && tc.in == tc.want.String() {
+			if again, err := parseMarker(got.String()); err != nil || again != got {
+				t.Errorf("%+v does not round-trip: %q", got, got.String())
+			}
+		}
+	}
+}
+
+// mapLike creates an unpinned map of name's layout with some of it changed.
+func mapLike(t *testing.T, name string, change func(*ebpf.MapSpec)) *ebpf.Map {
+	t.Helper()
+	cs, err := collectionSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms := cs.Maps[name].Copy()
+	ms.Pinning = ebpf.PinNone
+	if change != nil {
+		change(ms)
+	}
+	m, err := ebpf.NewMap(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+func TestPlanRenewal(t *testing.T) {
+	kernel.RequireRoot(t)
+	capacity := func(n uint32) func(*ebpf.MapSpec) { return func(ms *ebpf.MapSpec) { ms.MaxEntries = n } }
+	value := func(n uint32) func(*ebpf.MapSpec) { return func(ms *ebpf.MapSpec) { ms.ValueSize = n; ms.Value = nil } }
+	for _, tc := range []struct {
+		name    string
+		pin     *ebpf.Map
+		from    uint32
+		want    renewal
+		wantErr error
+	}{
+		{"nothing pinned", nil, 1, renewCreate, nil},
+		{"this layout", mapLike(t, pinpath.MapPolInV4, nil), 1, renewReuse, nil},
+		{"a trie of another capacity", mapLike(t, pinpath.MapPolInV4, capacity(trieCapacity/2)), 1, renewCopy, nil},
+		{"a trie of another value", mapLike(t, pinpath.MapPolInV4, value(policyVSize+4)), 1, 0, ErrIncompatiblePin},
+		{"entries changed meaning after the pin's layout", mapLike(t, pinpath.MapPolInV4, capacity(trieCapacity/2)), 0, 0, ErrIncompatiblePin},
+		{"conntrack of another capacity", mapLike(t, pinpath.MapCTv4, capacity(DefaultCTv4Entries/2)), 1, 0, ErrTableSize},
+		{"an earlier event budget", mapLike(t, pinpath.MapEventBudget, value(16)), 1, renewFresh, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := pinpath.MapPolInV4
+			if tc.pin != nil {
+				info, err := tc.pin.Info()
+				if err != nil {
+					t.Fatal(err)
+				}
+				name = info.Name
+			}
+			got, err := planRenewal(name, tc.pin, tc.from, 0)
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("planRenewal: %v, want %v", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || got != tc.want {
+				t.Fatalf("planRenewal = %d, %v; want %d", got, err, tc.want)
+			}
+		})
+	}
+}
+
+// pinEarlierBuild pins id's maps and programs as a build of the same layout
+// version but half the trie capacity would, with set applied, and returns
+// that identifier.
+func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Identifier {
+	t.Helper()
+	cs, err := loadableSpec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := pinpath.Root(root).Identifier(id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old := &Identifier{ID: id, Dir: dir, global: g}
+	t.Cleanup(func() { old.Close() })
+	fields := old.mapFields()
+	repl := g.replacements()
+	for _, name := range identifierMaps {
+		ms := cs.Maps[name].Copy()
+		ms.Pinning = ebpf.PinNone
+		if ms.Type == ebpf.LPMTrie {
+			ms.MaxEntries = trieCapacity / 2
+			cs.Maps[name] = ms
+		}
+		m, err := ebpf.NewMap(ms)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Pin(filepath.Join(dir, name)); err != nil {
+			t.Fatal(err)
+		}
+		*fields[name] = m
+		repl[name] = m
+	}
+	if err := old.State.Update(uint32(0), &podfenceIdState{Generation: randomGeneration()}, ebpf.UpdateAny); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []struct {
+		out  **ebpf.Program
+		name string
+	}{{&old.Ingress, progIngress}, {&old.Egress, progEgress}} {
+		if *p.out, err = loadProgram(cs, p.name, repl); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := old.pinPrograms(); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeMarker(dir, marker{version: LayoutVersion, object: "an-earlier-build"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.ApplyPolicy(set); err != nil {
+		t.Fatal(err)
+	}
+	return old
+}
+
+// TestRenewIdentifier: an identifier whose tries have an earlier capacity
+// and whose programs are another build's is refused by OpenIdentifier,
+// untouched, and taken over by RenewIdentifier: new tries with the old
+// entries, the state (and its generation) kept, this build's programs,
+// which enforce the policy the old ones did.
+func TestRenewIdentifier(t *testing.T) {
+	root, g := openGlobal(t)
+	id := podid.ID("web-7f65cc6544@default")
+	set := isolate(rules(rule("10.1.0.0/16", tcpPort(80)), except(rule("10.2.0.0/16", tcpPort(443)), "10.2.3.0/24")), nil)
+	old := pinEarlierBuild(t, g, root, id, set)
+	oldGen, err := old.Generation()
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldTrie, err := trieEntries(old.Policy[policy.Ingress][0])
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := OpenIdentifier(g, root, id); !errors.Is(err, ErrIncompatiblePin) {
+		t.Fatalf("OpenIdentifier of an earlier build's pins: %v, want ErrIncompatiblePin", err)
+	}
+	if in, _, err := PinnedProgramIDs(root, id); err != nil || in != progID(t, old.Ingress) {
+		t.Fatalf("the refusal changed the program pins: %d, %v", in, err)
+	}
+
+	ident, rn, err := RenewIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	wantMaps := []string{pinpath.MapPolInV4, pinpath.MapPolInV6, pinpath.MapPolEgV4, pinpath.MapPolEgV6}
+	if rn.From != LayoutVersion || !rn.Programs || !slices.Equal(rn.Maps, wantMaps) {
+		t.Errorf("renewal %+v, want from %d, programs, maps %v", rn, LayoutVersion, wantMaps)
+	}
+	if ident.Policy[policy.Ingress][0].MaxEntries() != trieCapacity {
+		t.Errorf("renewed trie holds %d entries, want %d", ident.Policy[policy.Ingress][0].MaxEntries(), trieCapacity)
+	}
+	if got, err := trieEntries(ident.Policy[policy.Ingress][0]); err != nil || !maps.Equal(got, oldTrie) {
+		t.Errorf("renewed trie has %v (%v), want the old entries %v", got, err, oldTrie)
+	}
+	if mapID(t, ident.State) != mapID(t, old.State) {
+		t.Error("the state map, of this layout already, was replaced")
+	}
+	if gen, _ := ident.Generation(); gen != oldGen {
+		t.Errorf("generation %d after the renewal, want %d: tracked flows would be re-checked", gen, oldGen)
+	}
+	if progID(t, ident.Ingress) == progID(t, old.Ingress) {
+		t.Error("the earlier build's programs were kept")
+	}
+	if mk, ok, err := readMarker(ident.Dir); err != nil || !ok || mk != (marker{version: LayoutVersion, object: objectID()}) {
+		t.Errorf("marker %+v, %v, %v; want this build's", mk, ok, err)
+	}
+
+	// The new programs enforce what the old ones did.
+	h := &harness{root: root, g: g, id: ident}
+	for _, tc := range []struct {
+		src  string
+		port uint16
+		want uint32
+	}{
+		{"10.1.2.3", 80, VerdictAllow}, {"10.1.2.3", 81, VerdictDrop},
+		{"10.2.9.9", 443, VerdictAllow}, {"10.2.3.4", 443, VerdictDrop}, {"10.9.0.1", 80, VerdictDrop},
+	} {
+		frame := syn(tcp(tc.src, "10.0.0.5", 40000, tc.port)).Marshal()
+		if ret, reason := h.runReason(t, policy.Ingress, frame); ret != tc.want {
+			t.Errorf("%s -> :%d: %#x (%s), want %#x", tc.src, tc.port, ret, reason, tc.want)
+		}
+	}
+
+	// Done once: a second renewal finds this build's pins.
+	again, rn, err := RenewIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if rn.Programs || len(rn.Maps) != 0 || progID(t, again.Ingress) != progID(t, ident.Ingress) {
+		t.Errorf("a second renewal changed something: %+v", rn)
+	}
+}
+
+// TestOpenGlobalRenewsExpendableMaps: the deny-event budget of the build
+// before the dropped-event count (16-byte values) is replaced by an empty
+// one of this layout; the conntrack maps, which live flows need, stay.
+func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
+	kernel.RequireRoot(t)
+	root := kernel.PinRoot(t)
+	first, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct := mapID(t, first.CTv4)
+	first.Close()
+	dir := pinpath.Root(root).Global()
+	if err := os.Remove(filepath.Join(dir, pinpath.MapEventBudget)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, pinpath.Layout)); err != nil {
+		t.Fatal(err)
+	}
+	earlier := mapLike(t, pinpath.MapEventBudget, func(ms *ebpf.MapSpec) { ms.ValueSize = 16; ms.Value = nil })
+	if err := earlier.Pin(filepath.Join(dir, pinpath.MapEventBudget)); err != nil {
+		t.Fatal(err)
+	}
+
+	g, err := OpenGlobal(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if g.EventBudget.ValueSize() != layouts[pinpath.MapEventBudget].valSize || !slices.Equal(g.Renewal.Maps, []string{pinpath.MapEventBudget}) {
+		t.Errorf("event budget of %d-byte values, renewal %+v; want this layout's, renewed", g.EventBudget.ValueSize(), g.Renewal)
+	}
+	if mapID(t, g.CTv4) != ct {
+		t.Error("the conntrack map was replaced")
+	}
+	if mk, ok, err := readMarker(dir); err != nil || !ok || mk.version != LayoutVersion {
+		t.Errorf("global marker %+v, %v, %v; want layout %d", mk, ok, err, LayoutVersion)
+	}
+}
+
+// TestNewerLayoutRefused: pins that a later layout marked are refused,
+// globally and per identifier, and nothing is created beside them.
+func TestNewerLayoutRefused(t *testing.T) {
+	root, g := openGlobal(t)
+	newer := marker{version: LayoutVersion + 1, object: "a-later-build"}
+	id := podid.ID("db-0@default")
+	dir := pinpath.Root(root).Identifier(id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeMarker(dir, newer); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := RenewIdentifier(g, root, id); !errors.Is(err, ErrNewerLayout) {
+		t.Errorf("renew an identifier of layout %d: %v, want ErrNewerLayout", newer.version, err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 1 {
+		t.Errorf("the refused identifier's directory holds %d entries, want only its marker", len(entries))
+	}
+
+	if err := writeMarker(pinpath.Root(root).Global(), newer); err != nil {
+		t.Fatal(err)
+	}
+	_, err := OpenGlobal(root)
+	if !errors.Is(err, ErrNewerLayout) || !strings.Contains(err.Error(), fmt.Sprintf("layout %d", newer.version)) {
+		t.Errorf("open global pins of layout %d: %v, want ErrNewerLayout naming it", newer.version, err)
+	}
+}
