@@ -150,3 +150,16 @@ END {
 	printf "  files, `apply` of 1,000 documents to 100 identifiers: %s ms, peak RSS %s MiB (targets < 5000 ms, < 200 MiB)\n", v["sync-1000-documents", "apply-ms"], v["sync-1000-documents", "peak-RSS-MiB"]
 	printf "  API, sweeper start to 1,000 PolicyEndpoints in 100 identifiers: %s ms, peak RSS %s MiB (targets < 5000 ms, < 200 MiB)\n", v["api-sync-1000", "sync-ms"], v["api-sync-1000", "peak-RSS-MiB"]
 }'
+
+# Upgrades (issue 12): the next layout's sweeper moving a node of this
+# build's pods, beside what a first ADD (which loads the same programs) costs.
+echo
+echo "upgrade, 20 identifiers of 5 members (BenchmarkUpgrade)"
+go test -c -o /tmp/podfence-e2e.test ./test/e2e/
+out=$(cd test/e2e && /tmp/podfence-e2e.test -test.run '^$' -test.bench 'BenchmarkUpgrade' -test.benchtime 1x)
+rm -f /tmp/podfence-e2e.test
+echo "$out" | awk '/^BenchmarkUpgrade\// {
+	mode=$1; sub(/^BenchmarkUpgrade\//, "", mode); sub(/-[0-9]+$/, "", mode)
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  %-4s %s ms in all, %s ms per identifier, first ADD p50 %s ms: %s of a first ADD per identifier\n", mode, v["upgrade-ms"], v["per-identifier-ms"], v["first-add-p50-ms"], v["per-identifier/first-add"]
+}'

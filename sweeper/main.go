@@ -7,6 +7,7 @@
 //	podfence-sweeper sweep          one pass; prints what it kept and deleted, and why
 //	podfence-sweeper ls             identifiers, members, veths, programs, counters
 //	podfence-sweeper dump conntrack the eBPF conntrack entries, with their owners
+//	podfence-sweeper upgrade        move the node's pins and pods onto this build's datapath
 //
 // Every command takes --pin-root (default /sys/fs/bpf/podfence) and --json.
 package main
@@ -38,6 +39,7 @@ commands:
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
   trace            denied packets as the datapath reports them, with pod, reason and policy
   why              what the datapath decides for a connection of a pod, why, and which rule
+  upgrade          move the node's pins and pods onto this build's datapath (run does it at start)
 
 Run "podfence-sweeper <command> -h" for a command's flags.
 `
@@ -66,6 +68,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdTrace(rest, stdout, stderr)
 	case "why":
 		err = cmdWhy(rest, stdout, stderr)
+	case "upgrade":
+		err = cmdUpgrade(rest, stdout, stderr)
 	case "install-cni":
 		err = cmdInstallCNI(rest, stdout, stderr)
 	case "uninstall-cni":

@@ -69,6 +69,12 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer g.Close()
+	// Before anything programs the identifiers: pins and pods of an
+	// earlier build move onto this one's datapath (the plugin does the
+	// same for each identifier it adds a pod to).
+	start := time.Now()
+	rep, err := upgradeNode(g, c.pinRoot)
+	logUpgrade(log, rep, time.Since(start), err)
 	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Log: log})
 	if err != nil {
 		return err

@@ -14,13 +14,16 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -203,4 +206,147 @@ func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) 
 	}
 	out.Identifier, err = RemoveIfUnused(pinRoot, lock)
 	return out, err
+}
+
+// OpenIdentifier opens the identifier of lock for a caller that changes it
+// (ADD, a policy push, an upgrade), taking over pins of an earlier layout
+// or build (bpf.RenewIdentifier). When the programs were replaced, every
+// member is moved onto the new ones before it returns, so that the
+// identifier's pins and what its members run agree again.
+func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.Identifier, bpf.Renewal, error) {
+	ident, rn, err := bpf.RenewIdentifier(g, pinRoot, lock.ID)
+	if err != nil {
+		return nil, rn, wrap(ErrDatapath, err)
+	}
+	if rn.Programs {
+		if _, err := MoveMembers(lock, ident); err != nil {
+			ident.Close()
+			return nil, rn, err
+		}
+	}
+	return ident, rn, nil
+}
+
+// MoveMembers points both hooks of every member whose veth is present at
+// ident's programs, and returns how many members it moved. Each hook is
+// swapped atomically (a TCX link update, a cls_bpf filter replace), so a
+// member's packets meet either program, never none. A member whose veth is
+// gone is left to the collection of orphans.
+func MoveMembers(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
+	sc, err := lock.Scan()
+	if err != nil {
+		return 0, wrap(ErrState, err)
+	}
+	moved := 0
+	var errs []error
+	for _, m := range sc.Members {
+		present, err := VethPresent(m)
+		if err != nil || !present {
+			continue
+		}
+		n, err := moveMember(lock, m, ident)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%w: veth %s: %w", ErrAttach, m.HostVeth, err))
+		}
+		if n > 0 {
+			moved++
+		}
+	}
+	return moved, errors.Join(errs...)
+}
+
+// moveMember attaches ident's programs to the hooks of m that run another,
+// and returns how many it changed.
+func moveMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifier) (int, error) {
+	changed := 0
+	for _, h := range Hooks(lock, m) {
+		prog := ProgramFor(ident, h.Hook)
+		id, err := objinfo.ProgramID(prog)
+		if err != nil {
+			return changed, err
+		}
+		if ids, err := attach.Attached(m.HostIfindex, h.Hook); err == nil && slices.Contains(ids, id) {
+			continue
+		}
+		if _, err := attach.Attach(attach.Options{
+			Ifindex: m.HostIfindex,
+			Hook:    h.Hook,
+			Program: prog,
+			Mode:    attach.Mode(m.AttachMode),
+			LinkPin: h.LinkPin,
+		}); err != nil {
+			return changed, err
+		}
+		changed++
+	}
+	return changed, nil
+}
+
+// ProgramFor is the program of ident that runs on the host veth's hook:
+// the pod's egress program on the veth's ingress, and the other way round.
+func ProgramFor(ident *bpf.Identifier, h attach.Hook) *ebpf.Program {
+	if h == attach.HookIngress {
+		return ident.Egress
+	}
+	return ident.Ingress
+}
+
+// Upgraded is what Upgrade did to one identifier.
+type Upgraded struct {
+	ID      podid.ID
+	Renewal bpf.Renewal
+	Moved   int // members moved onto the identifier's programs
+}
+
+// Upgrade brings every identifier with members onto this build's pins and
+// programs: RenewIdentifier under each identifier's lock, then MoveMembers,
+// which also moves members that a killed upgrade left on older programs.
+// Identifiers without members are left to the collection of orphans. It
+// goes on past an identifier it cannot upgrade and returns every failure.
+func Upgrade(g *bpf.Global, store *membership.Store) ([]Upgraded, error) {
+	ids, err := store.Identifiers()
+	if err != nil {
+		return nil, wrap(ErrState, err)
+	}
+	var out []Upgraded
+	var errs []error
+	for _, id := range ids {
+		u, err := upgradeOne(g, store, id)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
+			continue
+		}
+		if u != nil {
+			out = append(out, *u)
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded, error) {
+	lock, err := store.Lock(id, false)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, wrap(ErrState, err)
+	}
+	defer lock.Unlock()
+	sc, err := lock.Scan()
+	if err != nil {
+		return nil, wrap(ErrState, err)
+	}
+	if !sc.InUse() {
+		return nil, nil
+	}
+	ident, rn, err := bpf.RenewIdentifier(g, store.Root(), id)
+	if err != nil {
+		return nil, wrap(ErrDatapath, err)
+	}
+	defer ident.Close()
+	moved, err := MoveMembers(lock, ident)
+	if err != nil {
+		return nil, err
+	}
+	return &Upgraded{ID: id, Renewal: rn, Moved: moved}, nil
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/policy"
@@ -64,7 +65,7 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
 			if err != nil {
 				return err
 			}
-			ident, err := bpf.OpenIdentifier(g, pinRoot, id)
+			ident, _, err := lifecycle.OpenIdentifier(g, pinRoot, lock)
 			if err != nil {
 				return err
 			}

@@ -22,6 +22,7 @@ type call struct {
 	veth     string
 	action   string
 	replaced string // pins this call replaced, and why
+	renewed  string // pins of an earlier build this call took over
 
 	last   time.Time
 	phases []any // name, milliseconds, name, milliseconds...
@@ -57,6 +58,9 @@ func (c *call) finish(err error) {
 		"cmd", c.cmd, "container", c.container, "ifname", c.ifname,
 		"identifier", string(c.id), "veth", c.veth, "action", c.action,
 		"duration_ms", float64(time.Since(c.start).Microseconds()) / 1000,
+	}
+	if c.renewed != "" {
+		attrs = append(attrs, "renewed_pins", c.renewed)
 	}
 	if c.replaced != "" {
 		attrs = append(attrs, "replaced_unused_pins", c.replaced)

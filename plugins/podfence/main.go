@@ -136,7 +136,13 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 		return types.NewError(errDatapath, err.Error(), "")
 	}
 	call.mark("open-global")
-	ident, err := bpf.OpenIdentifier(g, conf.PinRoot, lock.ID)
+	// Pins of an earlier build are taken over here, and the identifier's
+	// members moved onto this build's programs, so a new pod never runs
+	// an older datapath than the plugin that added it.
+	ident, renewal, err := lifecycle.OpenIdentifier(g, conf.PinRoot, lock)
+	if renewal.Programs || len(renewal.Maps) > 0 {
+		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v", renewal.From, renewal.Maps, renewal.Programs)
+	}
 	if errors.Is(err, bpf.ErrIncompatiblePin) {
 		incompatible := err
 		var replaced bool

@@ -79,6 +79,7 @@ type cluster struct {
 	logFile    string
 	attachMode string
 	cni        *libcni.CNIConfig
+	sweeperBin string // podfence-sweeper of the build the node runs
 	list       *libcni.NetworkConfigList
 	confBytes  []byte
 }
@@ -111,6 +112,7 @@ func buildCluster(t testing.TB, attachMode string, dualStack bool) *cluster {
 		logFile:    filepath.Join(tmp, "podfence.log"),
 		attachMode: attachMode,
 		cni:        libcni.NewCNIConfig([]string{binDir}, nil),
+		sweeperBin: filepath.Join(binDir, "podfence-sweeper"),
 	}
 	if err := os.MkdirAll(c.policyDir, 0o755); err != nil {
 		t.Fatal(err)
@@ -189,6 +191,14 @@ func (c *cluster) runtimeConf(p *pod) *libcni.RuntimeConf {
 			{"K8S_POD_NAME", p.name},
 		},
 	}
+}
+
+// useBuild makes the node run the podfence and podfence-sweeper binaries
+// in dir from now on (ptp and host-local stay binDir's), as a rollout
+// installs another build.
+func (c *cluster) useBuild(dir string) {
+	c.cni = libcni.NewCNIConfig([]string{dir, binDir}, nil)
+	c.sweeperBin = filepath.Join(dir, "podfence-sweeper")
 }
 
 // inNode runs fn on a thread in the node namespace: plugins exec'd from it

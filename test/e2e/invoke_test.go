@@ -412,7 +412,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 	})
 	if entries, err := os.ReadDir(pinpath.Root(c.pinRoot).Global()); err == nil {
 		for _, en := range entries {
-			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) {
+			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) && en.Name() != pinpath.Layout {
 				errorf("unexpected global pin %s", en.Name())
 			}
 		}
@@ -484,7 +484,7 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 	if err != nil {
 		errorf("identifier %s has %d members but its programs: %v (%s)", id, len(ms), err, listDir(dir))
 	}
-	allowed := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MembersDir}, identifierMaps...)
+	allowed := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MembersDir, pinpath.Layout}, identifierMaps...)
 	entries, _ := os.ReadDir(dir)
 	for _, en := range entries {
 		if !slices.Contains(allowed, en.Name()) {

@@ -67,7 +67,9 @@ func TestIncompatibleIdentifierPins(t *testing.T) {
 			t.Fatal(err)
 		}
 		_ = os.Remove(filepath.Join(dir, pinpath.MapCounters))
-		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 8, MaxEntries: 3})
+		// Values of another size: no layout converts them (one of
+		// another capacity would be taken over, see TestUpgrade).
+		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 16, MaxEntries: 3})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/netip"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -27,7 +26,7 @@ import (
 func (c *cluster) runSweeper(t testing.TB, args ...string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	all := append([]string{"run", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--metrics-addr", "127.0.0.1:9465"}, args...)
-	cmd := exec.Command(filepath.Join(binDir, "podfence-sweeper"), all...)
+	cmd := exec.Command(c.sweeperBin, all...)
 	logs := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := c.inNode(cmd.Start); err != nil {

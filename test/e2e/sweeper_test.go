@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -52,11 +51,11 @@ func (r sweepResult) find(pod, peer netip.AddrPort) (sweptEntry, bool) {
 }
 
 // sweeper runs podfence-sweeper in the node namespace and returns its stdout.
-func (c *cluster) sweeper(t *testing.T, args ...string) ([]byte, error) {
+func (c *cluster) sweeper(t testing.TB, args ...string) ([]byte, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(binDir, "podfence-sweeper"), args...)
+	cmd := exec.CommandContext(ctx, c.sweeperBin, args...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := c.inNode(cmd.Run)
