@@ -20,6 +20,9 @@ type IdentifierInfo struct {
 	Isolated        [2]bool
 	Counters        Counters
 	Ingress, Egress ebpf.ProgramID
+	// Layout is what the identifier's layout marker records ("v1
+	// object=..."); empty for pins made before markers were written.
+	Layout string
 }
 
 // Allowed and Denied are the packets the identifier's programs passed and
@@ -81,6 +84,9 @@ func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
 	i := Identifier{ID: id, Counters: counters}
 	if info.Counters, err = i.ReadCounters(); err != nil {
 		return info, err
+	}
+	if mk, ok, err := readMarker(dir); err == nil && ok {
+		info.Layout = mk.String()
 	}
 	info.Ingress, info.Egress, err = PinnedProgramIDs(pinRoot, id)
 	return info, err

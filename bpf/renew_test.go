@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"embed"
 	"errors"
 	"flag"
 	"fmt"
@@ -18,6 +19,12 @@ import (
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
 )
+
+// layoutRecords are embedded so that the test binary carries them into the
+// kernel matrix's guests.
+//
+//go:embed testdata/layout-v*.txt
+var layoutRecords embed.FS
 
 var updateLayout = flag.Bool("update-layout", false, "rewrite testdata/layout-v<LayoutVersion>.txt from the layouts table")
 
@@ -38,7 +45,10 @@ func TestLayoutRecorded(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want, err := os.ReadFile(path)
+	want, err := layoutRecords.ReadFile(path)
+	if *updateLayout {
+		want, err = os.ReadFile(path)
+	}
 	if err != nil {
 		t.Fatalf("%v: a new LayoutVersion needs its record (go test ./bpf -run TestLayoutRecorded -update-layout)", err)
 	}

@@ -24,8 +24,11 @@ import (
 
 // identifierView is one identifier as ls shows it.
 type identifierView struct {
-	ID         podid.ID     `json:"identifier"`
-	Generation uint32       `json:"generation"`
+	ID         podid.ID `json:"identifier"`
+	Generation uint32   `json:"generation"`
+	// Layout is the layout version and build the pins record (README,
+	// "Upgrading"), e.g. "v1 object=2cd96be453afbd0a".
+	Layout     string       `json:"layout"`
 	Mode       string       `json:"mode"`
 	Isolated   []string     `json:"isolated"`
 	Allowed    uint64       `json:"allowed_packets"`
@@ -133,7 +136,7 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 		if err != nil {
 			v.Error = err.Error()
 		} else {
-			v.Generation, v.Mode = info.Generation, string(info.Mode)
+			v.Generation, v.Mode, v.Layout = info.Generation, string(info.Mode), info.Layout
 			for d, name := range []string{"ingress", "egress"} {
 				if info.Isolated[d] {
 					v.Isolated = append(v.Isolated, name)

@@ -28,6 +28,7 @@ type upgradedIdentity struct {
 	Maps     []string `json:"maps"`
 	Programs bool     `json:"programs"`
 	Moved    int      `json:"moved"`
+	Changed  bool     `json:"changed"`
 }
 
 // cmdUpgrade takes the node's pins over for this build, once: what run
@@ -73,7 +74,7 @@ func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
 	ups, err := lifecycle.Upgrade(g, membership.New(pinRoot))
 	for _, u := range ups {
 		rep.Identifiers = append(rep.Identifiers, upgradedIdentity{
-			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved,
+			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved, Changed: u.Changed(),
 		})
 	}
 	if err != nil {
@@ -87,7 +88,7 @@ func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
 func logUpgrade(log *slog.Logger, rep upgradeReport, took time.Duration, err error) {
 	changed := 0
 	for _, u := range rep.Identifiers {
-		if len(u.Maps) == 0 && !u.Programs && u.Moved == 0 {
+		if !u.Changed {
 			continue
 		}
 		changed++

@@ -209,22 +209,23 @@ func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) 
 }
 
 // OpenIdentifier opens the identifier of lock for a caller that changes it
-// (ADD, a policy push, an upgrade), taking over pins of an earlier layout
-// or build (bpf.RenewIdentifier). When the programs were replaced, every
-// member is moved onto the new ones before it returns, so that the
-// identifier's pins and what its members run agree again.
-func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.Identifier, bpf.Renewal, error) {
+// (ADD, a policy push), taking over pins of an earlier layout or build
+// (bpf.RenewIdentifier). When the programs were replaced, every member is
+// moved onto the new ones before it returns, so that the identifier's pins
+// and what its members run agree again. A member that cannot be moved is
+// not the caller's failure: it is reported in Upgraded.Unmoved, and stays
+// on the old programs until the sweeper's next start moves it.
+func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.Identifier, Upgraded, error) {
+	up := Upgraded{ID: lock.ID}
 	ident, rn, err := bpf.RenewIdentifier(g, pinRoot, lock.ID)
+	up.Renewal = rn
 	if err != nil {
-		return nil, rn, wrap(ErrDatapath, err)
+		return nil, up, wrap(ErrDatapath, err)
 	}
 	if rn.Programs {
-		if _, err := MoveMembers(lock, ident); err != nil {
-			ident.Close()
-			return nil, rn, err
-		}
+		up.Moved, up.Unmoved = MoveMembers(lock, ident)
 	}
-	return ident, rn, nil
+	return ident, up, nil
 }
 
 // MoveMembers points both hooks of every member whose veth is present at
@@ -260,26 +261,42 @@ func MoveMembers(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
 func moveMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifier) (int, error) {
 	changed := 0
 	for _, h := range Hooks(lock, m) {
-		prog := ProgramFor(ident, h.Hook)
-		id, err := objinfo.ProgramID(prog)
+		id, err := objinfo.ProgramID(ProgramFor(ident, h.Hook))
 		if err != nil {
 			return changed, err
 		}
 		if ids, err := attach.Attached(m.HostIfindex, h.Hook); err == nil && slices.Contains(ids, id) {
 			continue
 		}
-		if _, err := attach.Attach(attach.Options{
-			Ifindex: m.HostIfindex,
-			Hook:    h.Hook,
-			Program: prog,
-			Mode:    attach.Mode(m.AttachMode),
-			LinkPin: h.LinkPin,
-		}); err != nil {
+		if err := attachHook(m, h, ident); err != nil {
 			return changed, err
 		}
 		changed++
 	}
 	return changed, nil
+}
+
+// AttachMember attaches ident's programs to both hooks of m's veth, in
+// the mode its record names. Attaching is idempotent, and replaces another
+// program atomically.
+func AttachMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifier) error {
+	for _, h := range Hooks(lock, m) {
+		if err := attachHook(m, h, ident); err != nil {
+			return fmt.Errorf("veth %s: %w", m.HostVeth, err)
+		}
+	}
+	return nil
+}
+
+func attachHook(m membership.Member, h Hook, ident *bpf.Identifier) error {
+	_, err := attach.Attach(attach.Options{
+		Ifindex: m.HostIfindex,
+		Hook:    h.Hook,
+		Program: ProgramFor(ident, h.Hook),
+		Mode:    attach.Mode(m.AttachMode),
+		LinkPin: h.LinkPin,
+	})
+	return err
 }
 
 // ProgramFor is the program of ident that runs on the host veth's hook:
@@ -291,11 +308,17 @@ func ProgramFor(ident *bpf.Identifier, h attach.Hook) *ebpf.Program {
 	return ident.Ingress
 }
 
-// Upgraded is what Upgrade did to one identifier.
+// Upgraded is what an upgrade did to one identifier.
 type Upgraded struct {
 	ID      podid.ID
 	Renewal bpf.Renewal
-	Moved   int // members moved onto the identifier's programs
+	Moved   int   // members moved onto the identifier's programs
+	Unmoved error // why members that should have moved did not
+}
+
+// Changed says whether anything of the identifier changed.
+func (u Upgraded) Changed() bool {
+	return len(u.Renewal.Maps) > 0 || u.Renewal.Programs || u.Moved > 0
 }
 
 // Upgrade brings every identifier with members onto this build's pins and

@@ -139,9 +139,12 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	// Pins of an earlier build are taken over here, and the identifier's
 	// members moved onto this build's programs, so a new pod never runs
 	// an older datapath than the plugin that added it.
-	ident, renewal, err := lifecycle.OpenIdentifier(g, conf.PinRoot, lock)
-	if renewal.Programs || len(renewal.Maps) > 0 {
-		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v", renewal.From, renewal.Maps, renewal.Programs)
+	ident, up, err := lifecycle.OpenIdentifier(g, conf.PinRoot, lock)
+	if up.Changed() {
+		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v, %d members moved", up.Renewal.From, up.Renewal.Maps, up.Renewal.Programs, up.Moved)
+		if up.Unmoved != nil {
+			call.renewed += fmt.Sprintf(" (not moved: %v)", up.Unmoved)
+		}
 	}
 	if errors.Is(err, bpf.ErrIncompatiblePin) {
 		incompatible := err
@@ -166,20 +169,8 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	if err := lock.Put(m); err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
-	for _, h := range lifecycle.Hooks(lock, m) {
-		prog := ident.Ingress
-		if h.Hook == attach.HookIngress {
-			prog = ident.Egress // the pod's egress is the veth's ingress
-		}
-		if _, err := attach.Attach(attach.Options{
-			Ifindex: m.HostIfindex,
-			Hook:    h.Hook,
-			Program: prog,
-			Mode:    attach.Mode(m.AttachMode),
-			LinkPin: h.LinkPin,
-		}); err != nil {
-			return types.NewError(errAttach, fmt.Sprintf("veth %s: %v", m.HostVeth, err), "")
-		}
+	if err := lifecycle.AttachMember(lock, m, ident); err != nil {
+		return types.NewError(errAttach, err.Error(), "")
 	}
 	call.mark("attach")
 	return nil

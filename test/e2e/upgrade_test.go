@@ -189,6 +189,19 @@ func testUpgrade(t *testing.T, mode, next string) {
 		}
 		trie.Close()
 	}
+	out, err := c.sweeper(t, "ls", "--json", "--pin-root", c.pinRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var views []struct{ Identifier, Layout string }
+	if err := json.Unmarshal(out, &views); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range views {
+		if !strings.HasPrefix(v.Layout, want+" object=") {
+			t.Errorf("ls shows %s at layout %q, want %q and the object", v.Identifier, v.Layout, want)
+		}
+	}
 	members := map[podid.ID][]*pod{webID: {web, web2, web3}, clientID: {client}, strangerID: {stranger}}
 	for id, pods := range members {
 		in, eg, err := bpf.PinnedProgramIDs(c.pinRoot, id)
@@ -251,7 +264,7 @@ func testUpgrade(t *testing.T, mode, next string) {
 
 	// This build is now the older one: it refuses, and changes nothing.
 	c.useBuild(binDir)
-	out, err := c.sweeper(t, "upgrade", "--pin-root", c.pinRoot)
+	out, err = c.sweeper(t, "upgrade", "--pin-root", c.pinRoot)
 	if err == nil || !strings.Contains(err.Error(), "newer layout") {
 		t.Errorf("the older sweeper's upgrade: %v, %s; want a refusal of the newer layout", err, out)
 	}
