@@ -115,21 +115,26 @@ func planRenewal(name string, m *ebpf.Map, from uint32, maxEntries uint32) (rene
 	if m == nil {
 		return renewCreate, nil
 	}
+	want := layouts[name]
+	// A pin of the same shape whose entries mean something else since is
+	// not this layout's either.
+	if want.since > from {
+		if want.carry == carryFresh {
+			return renewFresh, nil
+		}
+		return 0, fmt.Errorf("%w: its entries changed meaning in layout %d and the pin is layout %d, from which this build has no conversion",
+			ErrIncompatiblePin, want.since, from)
+	}
 	err := checkLayout(name, m, maxEntries)
 	if err == nil {
 		return renewReuse, nil
 	}
-	want := layouts[name]
 	switch want.carry {
 	case carryFresh:
 		return renewFresh, nil
 	case carryCopy:
 		if m.Type() != want.typ || m.KeySize() != want.keySize || m.ValueSize() != want.valSize {
 			return 0, fmt.Errorf("%w: %w (its entries cannot be copied: the layout does not say how they convert)", ErrIncompatiblePin, err)
-		}
-		if want.since > from {
-			return 0, fmt.Errorf("%w: its entries changed meaning in layout %d and the pin is layout %d, from which this build has no conversion",
-				ErrIncompatiblePin, want.since, from)
 		}
 		return renewCopy, nil
 	}

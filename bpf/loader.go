@@ -48,6 +48,10 @@ type GlobalOptions struct {
 	// process that opens the pins must agree: a pin of another size is
 	// refused (ErrTableSize) rather than silently used.
 	CTv4Entries, CTv6Entries uint32
+	// KeepLayout opens the pins as they are: a map of an earlier layout is
+	// refused rather than taken over. Inspection commands set it, so that
+	// running a newer tool does not upgrade a node.
+	KeepLayout bool
 }
 
 // CheckCTEntries validates one capacity of GlobalOptions (0 is the default).
@@ -177,11 +181,14 @@ func OpenGlobal(pinRoot string) (*Global, error) {
 }
 
 // OpenGlobalWith is OpenGlobal with the node's settings. Pins of an
-// earlier layout are taken over (see renew.go): maps this layout keeps are
-// reused, others replaced by new ones, under the global directory's lock
-// held exclusively, while every other opener holds it shared. A pin that
-// cannot be taken over, or another size than opts asks for, is an error
-// wrapping ErrIncompatiblePin; pins of a later layout, ErrNewerLayout.
+// earlier layout are taken over (see renew.go), unless opts.KeepLayout:
+// maps this layout keeps are reused, others replaced by new ones, under the
+// global directory's lock held exclusively. Every opener holds it shared
+// while it opens, so none sees a renewal half done; a process that opened
+// the maps before a renewal keeps the replaced ones, which is why only a
+// new build's plugin and sweeper renew. A pin that cannot be taken over,
+// or another size than opts asks for, is an error wrapping
+// ErrIncompatiblePin; pins of a later layout, ErrNewerLayout.
 func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
 	for _, n := range []uint32{opts.CTv4Entries, opts.CTv6Entries} {
 		if err := CheckCTEntries(n); err != nil {
@@ -199,13 +206,20 @@ func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
 	return g, err
 }
 
+// errKeptLayout is a global pin that needs renewing, opened with KeepLayout.
+var errKeptLayout = fmt.Errorf("%w: the pin is an earlier layout's; `podfence-sweeper upgrade` (or run, or the plugin's next ADD) moves the node to this build", ErrIncompatiblePin)
+
 func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 	lock, err := lockDir(dir, how)
 	if err != nil {
 		return nil, err
 	}
 	defer lock.Close()
-	s, err := openMapSet(dir, globalMaps, opts.entries, how == unix.LOCK_EX, errRenewalNeeded)
+	mode := openMode{renew: how == unix.LOCK_EX && !opts.KeepLayout, exclusive: how == unix.LOCK_EX, errRenew: errRenewalNeeded}
+	if opts.KeepLayout {
+		mode.errRenew = errKeptLayout
+	}
+	s, err := openMapSet(dir, globalMaps, opts.entries, mode)
 	if err != nil {
 		return nil, err
 	}
@@ -214,7 +228,9 @@ func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 		closeMaps(s.maps)
 		return nil, err
 	}
-	if !s.marked || s.marker.version != LayoutVersion {
+	// An earlier layout whose maps are all this one's: the marker says so
+	// from now on (KeepLayout opens them as they are).
+	if s.marker.version != LayoutVersion && !opts.KeepLayout {
 		if how != unix.LOCK_EX {
 			closeMaps(s.maps)
 			return nil, errRenewalNeeded
@@ -338,9 +354,24 @@ type Renewal struct {
 	// Maps are the maps replaced by new ones of this layout.
 	Maps []string
 	// Programs says that pinned programs of another build, or of the
-	// replaced maps, were replaced by this build's: the members still run
-	// the old ones until they are moved (lifecycle.MoveMembers).
+	// replaced maps, were replaced by this build's.
 	Programs bool
+	// MovePending says that members may still run other programs than the
+	// pinned ones: programs were replaced now, or by a renewal whose
+	// members were not all moved. The caller moves them
+	// (lifecycle.MoveMembers), then calls MembersMoved.
+	MovePending bool
+}
+
+// MembersMoved records that every member runs the pinned programs, which
+// ends a renewal's MovePending. The caller holds the identifier's lock.
+func (i *Identifier) MembersMoved() error {
+	mk, ok, err := readMarker(i.Dir)
+	if err != nil || !ok || !mk.moving {
+		return err
+	}
+	mk.moving = false
+	return writeMarker(i.Dir, mk)
 }
 
 // RenewIdentifier is OpenIdentifier for a caller that moves the members
@@ -363,7 +394,8 @@ func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identi
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, Renewal{}, fmt.Errorf("create pin directory: %w", err)
 	}
-	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, renew, errIdentifierRenewal)
+	// The caller holds the identifier's lock.
+	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, openMode{renew: renew, exclusive: true, errRenew: errIdentifierRenewal})
 	if err != nil {
 		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
 	}
@@ -391,6 +423,7 @@ func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identi
 	if len(s.renewed) == 0 && (!renew || sameBuild) {
 		reused, err := ident.openPinnedPrograms(g)
 		if err == nil && reused {
+			rn.MovePending = sameBuild && s.marker.moving
 			return ident, rn, nil
 		}
 		if err != nil && !renew {
@@ -400,19 +433,21 @@ func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identi
 	_, errIn := os.Stat(filepath.Join(dir, pinpath.ProgIngress))
 	_, errEg := os.Stat(filepath.Join(dir, pinpath.ProgEgress))
 	rn.Programs = errIn == nil || errEg == nil
+	rn.MovePending = rn.Programs
 	if err := ident.loadPrograms(g); err != nil {
 		return fail(err)
 	}
 	// The maps go before the programs: a kill in between leaves pinned
-	// programs that do not use the pinned maps, which the next renewal
-	// replaces.
+	// programs that do not use the pinned maps, and a kill before the
+	// marker programs of another build than the marker's; the next renewal
+	// replaces them either way.
 	if err := s.commit(); err != nil {
 		return fail(err)
 	}
 	if err := ident.pinPrograms(); err != nil {
 		return fail(err)
 	}
-	if err := writeMarker(dir, marker{version: LayoutVersion, object: objectID()}); err != nil {
+	if err := writeMarker(dir, marker{version: LayoutVersion, object: objectID(), moving: rn.MovePending}); err != nil {
 		return fail(err)
 	}
 	return ident, rn, nil
@@ -654,8 +689,12 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress}, identifierMaps...) // programs first, as in RemoveIdentifier
 	pins = append(pins, pinpath.Layout)
 	for _, pin := range pins {
-		if err := os.Remove(filepath.Join(dir, pin)); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("remove objects of %q: %w", id, err)
+		// A kill between pinning and renaming (pinReplacing, writeMarker)
+		// leaves the temporary, which holds its object alive too.
+		for _, name := range []string{pin, pin + "~new"} {
+			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("remove objects of %q: %w", id, err)
+			}
 		}
 	}
 	return nil

@@ -75,10 +75,20 @@ type mapSet struct {
 	fresh   map[string]bool
 }
 
+// openMode is how openMapSet may treat a directory.
+type openMode struct {
+	renew     bool  // replace pins of an earlier layout
+	exclusive bool  // the caller holds the directory's lock exclusively
+	errRenew  error // what a pin that needs replacing is without renew
+}
+
 // openMapSet opens the maps of names in dir, planning each against this
-// layout; entries gives a map's capacity setting (0: the layout's). With
-// renew false, a pin that needs replacing is an error wrapping errRenew.
-func openMapSet(dir string, names []string, entries func(string) uint32, renew bool, errRenew error) (*mapSet, error) {
+// layout; entries gives a map's capacity setting (0: the layout's). A pin
+// that needs replacing without m.renew is an error wrapping m.errRenew. A
+// directory that holds nothing yet gets its marker before its first map,
+// so that pins are never without one: that needs m.exclusive, and is
+// errRenewalNeeded otherwise.
+func openMapSet(dir string, names []string, entries func(string) uint32, m openMode) (*mapSet, error) {
 	mk, marked, err := readMarker(dir)
 	if err != nil {
 		return nil, err
@@ -86,6 +96,15 @@ func openMapSet(dir string, names []string, entries func(string) uint32, renew b
 	pinned, err := loadPins(dir, names)
 	if err != nil {
 		return nil, err
+	}
+	if !marked && len(pinned) == 0 {
+		if !m.exclusive {
+			return nil, errRenewalNeeded
+		}
+		mk, marked = marker{version: LayoutVersion}, true
+		if err := writeMarker(dir, mk); err != nil {
+			return nil, err
+		}
 	}
 	from, err := pinnedVersion(dir, mk, marked, len(pinned) > 0)
 	if err != nil {
@@ -99,9 +118,9 @@ func openMapSet(dir string, names []string, entries func(string) uint32, renew b
 			closeMaps(pinned)
 			return nil, fmt.Errorf("pin %s: %w", filepath.Join(dir, name), err)
 		}
-		if (p == renewCopy || p == renewFresh) && !renew {
+		if (p == renewCopy || p == renewFresh) && !m.renew {
 			closeMaps(pinned)
-			return nil, fmt.Errorf("pin %s: %w", filepath.Join(dir, name), errRenew)
+			return nil, fmt.Errorf("pin %s: %w", filepath.Join(dir, name), m.errRenew)
 		}
 		plans[name] = p
 	}

@@ -67,6 +67,7 @@ func TestParseMarker(t *testing.T) {
 		{"v1", marker{version: 1}, true},
 		{"v2 object=9f86d081884c7d65", marker{version: 2, object: "9f86d081884c7d65"}, true},
 		{"v3 object=ab extra=1", marker{version: 3, object: "ab"}, true},
+		{"v1 object=ab moving", marker{version: 1, object: "ab", moving: true}, true},
 		{"", marker{}, false},
 		{"v", marker{}, false},
 		{"v0", marker{}, false},
@@ -121,7 +122,8 @@ func TestPlanRenewal(t *testing.T) {
 		{"this layout", mapLike(t, pinpath.MapPolInV4, nil), 1, renewReuse, nil},
 		{"a trie of another capacity", mapLike(t, pinpath.MapPolInV4, capacity(trieCapacity/2)), 1, renewCopy, nil},
 		{"a trie of another value", mapLike(t, pinpath.MapPolInV4, value(policyVSize+4)), 1, 0, ErrIncompatiblePin},
-		{"entries changed meaning after the pin's layout", mapLike(t, pinpath.MapPolInV4, capacity(trieCapacity/2)), 0, 0, ErrIncompatiblePin},
+		{"entries changed meaning after the pin's layout", mapLike(t, pinpath.MapPolInV4, nil), 0, 0, ErrIncompatiblePin},
+		{"an expendable map whose entries changed meaning", mapLike(t, pinpath.MapEventBudget, nil), 0, renewFresh, nil},
 		{"conntrack of another capacity", mapLike(t, pinpath.MapCTv4, capacity(DefaultCTv4Entries/2)), 1, 0, ErrTableSize},
 		{"an earlier event budget", mapLike(t, pinpath.MapEventBudget, value(16)), 1, renewFresh, nil},
 	} {
@@ -145,6 +147,21 @@ func TestPlanRenewal(t *testing.T) {
 				t.Fatalf("planRenewal = %d, %v; want %d", got, err, tc.want)
 			}
 		})
+	}
+}
+
+// TestUnconvertible: pins of a layout from which some map cannot be
+// carried are refused as a whole, before anything changes.
+func TestUnconvertible(t *testing.T) {
+	if name, since, ok := unconvertible(LayoutVersion); ok {
+		t.Errorf("this layout's own pins: %s (since %d) unconvertible", name, since)
+	}
+	name, since, ok := unconvertible(0)
+	if !ok || layouts[name].carry == carryFresh || since != layouts[name].since {
+		t.Errorf("unconvertible(0) = %s, %d, %v; want a map that cannot start empty", name, since, ok)
+	}
+	if _, err := pinnedVersion("dir", marker{}, false, true); err != nil {
+		t.Errorf("pins without a marker (layout %d): %v", firstLayout, err)
 	}
 }
 
@@ -255,8 +272,11 @@ func TestRenewIdentifier(t *testing.T) {
 	if progID(t, ident.Ingress) == progID(t, old.Ingress) {
 		t.Error("the earlier build's programs were kept")
 	}
-	if mk, ok, err := readMarker(ident.Dir); err != nil || !ok || mk != (marker{version: LayoutVersion, object: objectID()}) {
-		t.Errorf("marker %+v, %v, %v; want this build's", mk, ok, err)
+	if mk, ok, err := readMarker(ident.Dir); err != nil || !ok || mk != (marker{version: LayoutVersion, object: objectID(), moving: true}) {
+		t.Errorf("marker %+v, %v, %v; want this build's, moving", mk, ok, err)
+	}
+	if !rn.MovePending {
+		t.Error("programs replaced, but no move pending")
 	}
 
 	// The new programs enforce what the old ones did.
@@ -275,14 +295,22 @@ func TestRenewIdentifier(t *testing.T) {
 		}
 	}
 
-	// Done once: a second renewal finds this build's pins.
-	again, rn, err := RenewIdentifier(g, root, id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer again.Close()
-	if rn.Programs || len(rn.Maps) != 0 || progID(t, again.Ingress) != progID(t, ident.Ingress) {
-		t.Errorf("a second renewal changed something: %+v", rn)
+	// Until the members are said to be moved, a renewal keeps the
+	// programs and says the move is pending; after, nothing is.
+	for _, moved := range []bool{false, true} {
+		if moved {
+			if err := ident.MembersMoved(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		again, rn, err := RenewIdentifier(g, root, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rn.Programs || len(rn.Maps) != 0 || progID(t, again.Ingress) != progID(t, ident.Ingress) || rn.MovePending == moved {
+			t.Errorf("renewal again (members moved: %v): %+v, want nothing changed and a move pending %v", moved, rn, !moved)
+		}
+		again.Close()
 	}
 }
 

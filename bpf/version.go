@@ -5,8 +5,10 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,13 +41,20 @@ const firstLayout = 1
 type marker struct {
 	version uint32
 	object  string // empty in the global directory
+	// moving: the programs were replaced, and members may still run the
+	// ones before (until lifecycle.MoveMembers and MembersMoved).
+	moving bool
 }
 
-// String is the marker's symlink target: "v1" or "v1 object=9f86d081884c7d65".
+// String is the marker's symlink target: "v1", "v1 object=9f86d081884c7d65",
+// "v1 object=9f86d081884c7d65 moving".
 func (m marker) String() string {
 	s := "v" + strconv.FormatUint(uint64(m.version), 10)
 	if m.object != "" {
 		s += " object=" + m.object
+	}
+	if m.moving {
+		s += " moving"
 	}
 	return s
 }
@@ -63,6 +72,9 @@ func parseMarker(s string) (marker, error) {
 	for _, f := range fields[1:] {
 		if obj, ok := strings.CutPrefix(f, "object="); ok {
 			m.object = obj
+		}
+		if f == "moving" {
+			m.moving = true
 		}
 	}
 	return m, nil
@@ -104,7 +116,9 @@ func writeMarker(dir string, m marker) error {
 
 // pinnedVersion is the layout of what dir holds: its marker's, or for
 // pins without one firstLayout, or this build's when it holds nothing yet.
-// A later layout than this build's is refused.
+// A later layout than this build's is refused (ErrNewerLayout), and so is
+// an earlier one that this build cannot take over (ErrIncompatiblePin):
+// both before anything changes.
 func pinnedVersion(dir string, m marker, ok bool, anyPinned bool) (uint32, error) {
 	v := uint32(LayoutVersion)
 	switch {
@@ -117,7 +131,24 @@ func pinnedVersion(dir string, m marker, ok bool, anyPinned bool) (uint32, error
 		return 0, fmt.Errorf("%s: %w: they are layout %d and this build knows layouts up to %d; run a build of layout %d or later, or remove the pins once no pod uses them",
 			dir, ErrNewerLayout, v, LayoutVersion, v)
 	}
+	if name, since, ok := unconvertible(v); ok {
+		return 0, fmt.Errorf("%s: %w: they are layout %d, and the entries of %s changed meaning in layout %d, which this build (layout %d) cannot convert while pods use them; drain the node's pods (their pins go with the last one), or upgrade through a build that converts them",
+			dir, ErrIncompatiblePin, v, name, since, LayoutVersion)
+	}
 	return v, nil
+}
+
+// unconvertible names a map whose entries changed meaning after layout
+// from and that cannot start empty. Every directory of the node is at
+// least that old, so this build cannot take any of the node's pins over:
+// it refuses before the first change, not halfway.
+func unconvertible(from uint32) (name string, since uint32, ok bool) {
+	for _, n := range slices.Sorted(maps.Keys(layouts)) {
+		if l := layouts[n]; l.since > from && l.carry != carryFresh {
+			return n, l.since, true
+		}
+	}
+	return "", 0, false
 }
 
 // objectID names this build's datapath object: the pinned programs of an

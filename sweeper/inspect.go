@@ -244,7 +244,7 @@ func cmdDumpConntrack(args []string, stdout, stderr io.Writer) error {
 		}
 		want = a.Unmap()
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}
@@ -327,7 +327,7 @@ func cmdSweep(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}
@@ -416,7 +416,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}

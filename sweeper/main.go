@@ -177,13 +177,28 @@ func checkPinRoot(root string, create bool) error {
 	return nil
 }
 
-// openGlobal opens the node's maps. Without create, a pin root whose
-// global maps were never made is an error rather than a reason to make them.
-func openGlobal(c *common, create bool) (*bpf.Global, error) {
+// How a command opens the node's maps.
+type globalUse uint8
+
+const (
+	// inspect: the maps must exist, and pins of an earlier layout are
+	// refused rather than taken over, so that a newer tool run on a node
+	// does not upgrade it.
+	inspect globalUse = iota
+	// upgrade: the maps must exist; pins of an earlier layout are taken over.
+	upgrade
+	// serve: run's, which also makes the maps on a node without them.
+	serve
+)
+
+// openGlobal opens the node's maps for use.
+func openGlobal(c *common, use globalUse) (*bpf.Global, error) {
 	opts, err := c.globalOptions()
 	if err != nil {
 		return nil, err
 	}
+	opts.KeepLayout = use == inspect
+	create := use == serve
 	if err := checkPinRoot(c.pinRoot, create); err != nil {
 		return nil, err
 	}

@@ -64,7 +64,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 
-	g, err := openGlobal(&c, true)
+	g, err := openGlobal(&c, serve)
 	if err != nil {
 		return err
 	}

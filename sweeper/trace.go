@@ -65,7 +65,7 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 	if *count < 0 || *duration < 0 {
 		return usageError{errors.New("--count and --duration must not be negative")}
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}

@@ -39,7 +39,7 @@ func cmdUpgrade(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, upgrade)
 	if err != nil {
 		return err
 	}

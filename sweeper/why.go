@@ -58,7 +58,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
-	g, err := openGlobal(&c, false)
+	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}

@@ -210,11 +210,12 @@ func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) 
 
 // OpenIdentifier opens the identifier of lock for a caller that changes it
 // (ADD, a policy push), taking over pins of an earlier layout or build
-// (bpf.RenewIdentifier). When the programs were replaced, every member is
-// moved onto the new ones before it returns, so that the identifier's pins
-// and what its members run agree again. A member that cannot be moved is
-// not the caller's failure: it is reported in Upgraded.Unmoved, and stays
-// on the old programs until the sweeper's next start moves it.
+// (bpf.RenewIdentifier). When members may run other programs than the
+// pinned ones (programs replaced now, or by a renewal whose move did not
+// finish), every member is moved onto them before it returns, so that the
+// identifier's pins and what its members run agree again. A member that
+// cannot be moved is not the caller's failure: it is reported in
+// Upgraded.Unmoved, and the next OpenIdentifier tries again.
 func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.Identifier, Upgraded, error) {
 	up := Upgraded{ID: lock.ID}
 	ident, rn, err := bpf.RenewIdentifier(g, pinRoot, lock.ID)
@@ -222,10 +223,20 @@ func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.
 	if err != nil {
 		return nil, up, wrap(ErrDatapath, err)
 	}
-	if rn.Programs {
-		up.Moved, up.Unmoved = MoveMembers(lock, ident)
+	if rn.MovePending {
+		up.Moved, up.Unmoved = moveAll(lock, ident)
 	}
 	return ident, up, nil
+}
+
+// moveAll is MoveMembers that, once every member has moved, ends the
+// identifier's pending move.
+func moveAll(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
+	moved, err := MoveMembers(lock, ident)
+	if err != nil {
+		return moved, err
+	}
+	return moved, wrap(ErrDatapath, ident.MembersMoved())
 }
 
 // MoveMembers points both hooks of every member whose veth is present at
@@ -242,7 +253,11 @@ func MoveMembers(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
 	var errs []error
 	for _, m := range sc.Members {
 		present, err := VethPresent(m)
-		if err != nil || !present {
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if !present {
 			continue
 		}
 		n, err := moveMember(lock, m, ident)
@@ -367,7 +382,7 @@ func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded,
 		return nil, wrap(ErrDatapath, err)
 	}
 	defer ident.Close()
-	moved, err := MoveMembers(lock, ident)
+	moved, err := moveAll(lock, ident)
 	if err != nil {
 		return nil, err
 	}

@@ -61,20 +61,24 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
 			if sc, err := lock.Scan(); err != nil || !sc.InUse() {
 				return err // no member: nothing attached to program
 			}
-			info, err := bpf.InspectIdentifier(pinRoot, id)
-			if err != nil {
-				return err
-			}
-			ident, _, err := lifecycle.OpenIdentifier(g, pinRoot, lock)
+			// Opened first: it takes over pins of an earlier build,
+			// which InspectIdentifier would refuse.
+			ident, up, err := lifecycle.OpenIdentifier(g, pinRoot, lock)
 			if err != nil {
 				return err
 			}
 			defer ident.Close()
+			info, err := bpf.InspectIdentifier(pinRoot, id)
+			if err != nil {
+				return err
+			}
 			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, info.Mode)); err != nil {
 				return err
 			}
 			n++
-			return nil
+			// Programmed all the same: the members named stay on the
+			// earlier programs until a later push moves them.
+			return up.Unmoved
 		}()
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))

@@ -120,6 +120,17 @@ func testUpgrade(t *testing.T, mode, next string) {
 	time.Sleep(time.Second)
 	allowedBefore, longBefore := traffic.Allowed.Load(), traffic.LongMessages.Load()
 
+	// The next build's inspection tools read this build's node and do
+	// not upgrade it.
+	inspect := exec.Command(filepath.Join(next, "podfence-sweeper"), "dump", "conntrack", "--json", "--pin-root", c.pinRoot)
+	var inspected []byte
+	if err := c.inNode(func() (err error) { inspected, err = inspect.CombinedOutput(); return err }); err != nil {
+		t.Errorf("the next build's dump conntrack on this build's node: %v: %s", err, inspected)
+	}
+	if m := readMarker(t, pinpath.Root(c.pinRoot).Global()); m != fmt.Sprintf("v%d", bpf.LayoutVersion) {
+		t.Errorf("the next build's dump conntrack changed the global marker to %q", m)
+	}
+
 	// A rollout installs the plugin first: the next ADD takes over the
 	// global pins and its identifier, moving the backend's replicas; then
 	// the sweeper starts and moves the rest.
@@ -177,8 +188,8 @@ func testUpgrade(t *testing.T, mode, next string) {
 		t.Errorf("global layout marker %q, want %q", m, want)
 	}
 	for _, id := range ids {
-		if m := readMarker(t, c.identifierDir(string(id))); !strings.HasPrefix(m, want+" object=") {
-			t.Errorf("%s: layout marker %q, want %q and the object", id, m, want)
+		if m := readMarker(t, c.identifierDir(string(id))); !strings.HasPrefix(m, want+" object=") || strings.HasSuffix(m, " moving") {
+			t.Errorf("%s: layout marker %q, want %q and the object, its members moved", id, m, want)
 		}
 		trie, err := ebpf.LoadPinnedMap(filepath.Join(c.identifierDir(string(id)), pinpath.MapPolInV4), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
