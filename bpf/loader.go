@@ -49,8 +49,9 @@ type GlobalOptions struct {
 	// refused (ErrTableSize) rather than silently used.
 	CTv4Entries, CTv6Entries uint32
 	// KeepLayout opens the pins as they are: a map of an earlier layout is
-	// refused rather than taken over. Inspection commands set it, so that
-	// running a newer tool does not upgrade a node.
+	// refused rather than taken over, a missing one rather than created,
+	// and nothing is written. Inspection commands set it, so that running
+	// a newer tool does not change a node.
 	KeepLayout bool
 }
 
@@ -217,7 +218,7 @@ func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 	defer lock.Close()
 	mode := openMode{renew: how == unix.LOCK_EX && !opts.KeepLayout, exclusive: how == unix.LOCK_EX, errRenew: errRenewalNeeded}
 	if opts.KeepLayout {
-		mode.errRenew = errKeptLayout
+		mode.errRenew, mode.existing = errKeptLayout, true
 	}
 	s, err := openMapSet(dir, globalMaps, opts.entries, mode)
 	if err != nil {

@@ -80,7 +80,11 @@ type openMode struct {
 	renew     bool  // replace pins of an earlier layout
 	exclusive bool  // the caller holds the directory's lock exclusively
 	errRenew  error // what a pin that needs replacing is without renew
+	existing  bool  // open only what is pinned: create nothing, write nothing
 }
+
+// errNotPinned is a map that an open of existing pins found missing.
+var errNotPinned = errors.New("not pinned (no pod has been added on this node yet, or its first ADD failed)")
 
 // openMapSet opens the maps of names in dir, planning each against this
 // layout; entries gives a map's capacity setting (0: the layout's). A pin
@@ -97,7 +101,7 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 	if err != nil {
 		return nil, err
 	}
-	if !marked && len(pinned) == 0 {
+	if !marked && len(pinned) == 0 && !m.existing {
 		if !m.exclusive {
 			return nil, errRenewalNeeded
 		}
@@ -117,6 +121,10 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 		if err != nil {
 			closeMaps(pinned)
 			return nil, fmt.Errorf("pin %s: %w", filepath.Join(dir, name), err)
+		}
+		if p == renewCreate && m.existing {
+			closeMaps(pinned)
+			return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), errNotPinned)
 		}
 		if (p == renewCopy || p == renewFresh) && !m.renew {
 			closeMaps(pinned)

@@ -338,6 +338,19 @@ func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// An inspection open takes nothing over and writes nothing.
+	if _, err := OpenGlobalWith(root, GlobalOptions{KeepLayout: true}); !errors.Is(err, ErrIncompatiblePin) {
+		t.Errorf("KeepLayout open of an earlier event budget: %v, want ErrIncompatiblePin", err)
+	}
+	if _, ok, _ := readMarker(dir); ok {
+		t.Error("the KeepLayout open wrote a marker")
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(dir, pinpath.MapEventBudget), nil); err != nil || m.ValueSize() != 16 {
+		t.Errorf("the KeepLayout open changed the event budget pin: %v", err)
+	} else {
+		m.Close()
+	}
+
 	g, err := OpenGlobal(root)
 	if err != nil {
 		t.Fatal(err)
@@ -351,6 +364,19 @@ func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 	}
 	if mk, ok, err := readMarker(dir); err != nil || !ok || mk.version != LayoutVersion {
 		t.Errorf("global marker %+v, %v, %v; want layout %d", mk, ok, err, LayoutVersion)
+	}
+}
+
+// TestKeepLayoutCreatesNothing: an inspection open of a node without maps
+// is an error, and leaves it without.
+func TestKeepLayoutCreatesNothing(t *testing.T) {
+	kernel.RequireRoot(t)
+	root := kernel.PinRoot(t)
+	if _, err := OpenGlobalWith(root, GlobalOptions{KeepLayout: true}); !errors.Is(err, errNotPinned) {
+		t.Fatalf("KeepLayout open of an empty pin root: %v, want errNotPinned", err)
+	}
+	if entries, _ := os.ReadDir(pinpath.Root(root).Global()); len(entries) != 0 {
+		t.Errorf("the KeepLayout open left %d entries in the global directory", len(entries))
 	}
 }
 

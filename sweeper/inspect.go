@@ -416,7 +416,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, inspect)
+	g, err := openGlobal(&c, upgrade)
 	if err != nil {
 		return err
 	}

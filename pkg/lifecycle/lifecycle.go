@@ -268,6 +268,11 @@ func MoveMembers(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
 			moved++
 		}
 	}
+	if len(sc.Unreadable) > 0 {
+		// Possibly live pods whose veths cannot be named: they stay on
+		// the earlier programs, so the move is not done.
+		errs = append(errs, fmt.Errorf("%w: members %v have unreadable records and could not be moved", ErrState, sc.Unreadable))
+	}
 	return moved, errors.Join(errs...)
 }
 
@@ -354,8 +359,12 @@ func Upgrade(g *bpf.Global, store *membership.Store) ([]Upgraded, error) {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 			continue
 		}
-		if u != nil {
-			out = append(out, *u)
+		if u == nil {
+			continue
+		}
+		out = append(out, *u)
+		if u.Unmoved != nil {
+			errs = append(errs, fmt.Errorf("identifier %q: %w", id, u.Unmoved))
 		}
 	}
 	return out, errors.Join(errs...)
@@ -383,8 +392,5 @@ func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded,
 	}
 	defer ident.Close()
 	moved, err := moveAll(lock, ident)
-	if err != nil {
-		return nil, err
-	}
-	return &Upgraded{ID: id, Renewal: rn, Moved: moved}, nil
+	return &Upgraded{ID: id, Renewal: rn, Moved: moved, Unmoved: err}, nil
 }
