@@ -23,12 +23,13 @@ type upgradeReport struct {
 }
 
 type upgradedIdentity struct {
-	ID       string   `json:"id"`
+	ID       string   `json:"identifier"`
 	From     uint32   `json:"from"`
 	Maps     []string `json:"maps"`
 	Programs bool     `json:"programs"`
 	Moved    int      `json:"moved"`
 	Changed  bool     `json:"changed"`
+	Unmoved  string   `json:"unmoved,omitempty"` // why members did not move
 }
 
 // cmdUpgrade takes the node's pins over for this build, once: what run
@@ -76,6 +77,9 @@ func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
 		rep.Identifiers = append(rep.Identifiers, upgradedIdentity{
 			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved, Changed: u.Changed(),
 		})
+		if u.Unmoved != nil {
+			rep.Identifiers[len(rep.Identifiers)-1].Unmoved = u.Unmoved.Error()
+		}
 	}
 	if err != nil {
 		rep.Errors = []string{err.Error()}

@@ -79,7 +79,7 @@ func benchUpgrade(b *testing.B, mode, next string) {
 type upgradeOutput struct {
 	Layout      uint32
 	Identifiers []struct {
-		ID       string
+		ID       string `json:"identifier"`
 		From     uint32
 		Maps     []string
 		Programs bool
