@@ -254,34 +254,17 @@ func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 	}, nil
 }
 
-// openPinnedMap loads the map pinned as dir/<name> when its layout is this
-// datapath's, or creates and pins it; maxEntries, when not 0, overrides the
-// object's capacity. Two processes racing to create it both end up with the
-// one that was pinned first.
-func openPinnedMap(name, dir string, maxEntries uint32) (*ebpf.Map, error) {
+// createPinnedMap creates the map name of this layout and pins it in dir;
+// maxEntries, when not 0, overrides the object's capacity. openMapSet found
+// no pin there; two processes racing to create it both end up with the one
+// that was pinned first (PinByName loads a pin that exists, and checks it).
+func createPinnedMap(name, dir string, maxEntries uint32) (*ebpf.Map, error) {
 	path := filepath.Join(dir, name)
-	// The common case, a pin that exists, needs no object file parsing.
-	m, err := ebpf.LoadPinnedMap(path, nil)
-	if err == nil {
-		if err := checkLayout(name, m, maxEntries); err != nil {
-			m.Close()
-			return nil, fmt.Errorf("pin %s: %w: %w", path, ErrIncompatiblePin, err)
-		}
-		return m, nil
-	}
-	if !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("open map pin %s: %w", path, err)
-	}
-	cs, err := collectionSpec()
+	ms, err := layoutSpec(name, maxEntries)
 	if err != nil {
 		return nil, err
 	}
-	liftMemlock()
-	ms := cs.Maps[name].Copy() // the spec is shared with concurrent loads
 	ms.Pinning = ebpf.PinByName
-	if maxEntries != 0 {
-		ms.MaxEntries = maxEntries
-	}
 	for attempt := 0; ; attempt++ {
 		m, err := ebpf.NewMapWithOptions(ms, ebpf.MapOptions{PinPath: dir})
 		if err == nil {
@@ -420,7 +403,7 @@ func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identi
 	// Pinned programs are this build's to reuse when the maps stay and
 	// the marker names this object; a caller that does not renew takes
 	// whatever uses exactly these maps.
-	sameBuild := s.marked && s.marker.object == objectID()
+	sameBuild := s.marker.object == objectID()
 	if len(s.renewed) == 0 && (!renew || sameBuild) {
 		reused, err := ident.openPinnedPrograms(g)
 		if err == nil && reused {

@@ -70,8 +70,7 @@ type mapSet struct {
 	maps    map[string]*ebpf.Map
 	renewed []string // names whose new map is not pinned yet
 	from    uint32   // the layout of the pins found
-	marker  marker
-	marked  bool // the directory had a marker
+	marker  marker   // the directory's; version 0 when it had none
 	fresh   map[string]bool
 }
 
@@ -93,7 +92,7 @@ var errNotPinned = errors.New("not pinned (no pod has been added on this node ye
 // so that pins are never without one: that needs m.exclusive, and is
 // errRenewalNeeded otherwise.
 func openMapSet(dir string, names []string, entries func(string) uint32, m openMode) (*mapSet, error) {
-	mk, marked, err := readMarker(dir)
+	mk, _, err := readMarker(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -101,16 +100,16 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 	if err != nil {
 		return nil, err
 	}
-	if !marked && len(pinned) == 0 && !m.existing {
+	if mk.version == 0 && len(pinned) == 0 && !m.existing {
 		if !m.exclusive {
 			return nil, errRenewalNeeded
 		}
-		mk, marked = marker{version: LayoutVersion}, true
+		mk = marker{version: LayoutVersion}
 		if err := writeMarker(dir, mk); err != nil {
 			return nil, err
 		}
 	}
-	from, err := pinnedVersion(dir, mk, marked, len(pinned) > 0)
+	from, err := pinnedVersion(dir, mk, len(pinned) > 0)
 	if err != nil {
 		closeMaps(pinned)
 		return nil, err
@@ -132,7 +131,7 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 		}
 		plans[name] = p
 	}
-	s := &mapSet{dir: dir, maps: map[string]*ebpf.Map{}, from: from, marker: mk, marked: marked, fresh: map[string]bool{}}
+	s := &mapSet{dir: dir, maps: map[string]*ebpf.Map{}, from: from, marker: mk, fresh: map[string]bool{}}
 	for _, name := range names {
 		old := pinned[name]
 		delete(pinned, name)
@@ -155,7 +154,7 @@ func (s *mapSet) open(name string, p renewal, old *ebpf.Map, maxEntries uint32) 
 		return old, nil
 	case renewCreate:
 		s.fresh[name] = true
-		return openPinnedMap(name, s.dir, maxEntries)
+		return createPinnedMap(name, s.dir, maxEntries)
 	}
 	defer old.Close()
 	m, err := newMap(name, maxEntries)
@@ -183,9 +182,10 @@ func (s *mapSet) commit() error {
 	return nil
 }
 
-// newMap creates an unpinned map of this layout named name; maxEntries,
-// when not 0, is its capacity.
-func newMap(name string, maxEntries uint32) (*ebpf.Map, error) {
+// layoutSpec is the object's spec of map name, unpinned, with maxEntries
+// (when not 0) as its capacity: a copy, since concurrent loads share the
+// object's spec.
+func layoutSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
 	cs, err := collectionSpec()
 	if err != nil {
 		return nil, err
@@ -195,6 +195,15 @@ func newMap(name string, maxEntries uint32) (*ebpf.Map, error) {
 	ms.Pinning = ebpf.PinNone
 	if maxEntries != 0 {
 		ms.MaxEntries = maxEntries
+	}
+	return ms, nil
+}
+
+// newMap creates an unpinned map of this layout named name.
+func newMap(name string, maxEntries uint32) (*ebpf.Map, error) {
+	ms, err := layoutSpec(name, maxEntries)
+	if err != nil {
+		return nil, err
 	}
 	m, err := ebpf.NewMap(ms)
 	if err != nil {

@@ -160,7 +160,7 @@ func TestUnconvertible(t *testing.T) {
 	if !ok || layouts[name].carry == carryFresh || since != layouts[name].since {
 		t.Errorf("unconvertible(0) = %s, %d, %v; want a map that cannot start empty", name, since, ok)
 	}
-	if _, err := pinnedVersion("dir", marker{}, false, true); err != nil {
+	if _, err := pinnedVersion("dir", marker{}, true); err != nil {
 		t.Errorf("pins without a marker (layout %d): %v", firstLayout, err)
 	}
 }

@@ -114,15 +114,16 @@ func writeMarker(dir string, m marker) error {
 	return nil
 }
 
-// pinnedVersion is the layout of what dir holds: its marker's, or for
-// pins without one firstLayout, or this build's when it holds nothing yet.
+// pinnedVersion is the layout of what dir holds: its marker's (m, version
+// 0 when there is none), or for pins without one firstLayout, or this
+// build's when it holds nothing yet.
 // A later layout than this build's is refused (ErrNewerLayout), and so is
 // an earlier one that this build cannot take over (ErrIncompatiblePin):
 // both before anything changes.
-func pinnedVersion(dir string, m marker, ok bool, anyPinned bool) (uint32, error) {
+func pinnedVersion(dir string, m marker, anyPinned bool) (uint32, error) {
 	v := uint32(LayoutVersion)
 	switch {
-	case ok:
+	case m.version != 0:
 		v = m.version
 	case anyPinned:
 		v = firstLayout

@@ -386,11 +386,14 @@ func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded,
 	if !sc.InUse() {
 		return nil, nil
 	}
-	ident, rn, err := bpf.RenewIdentifier(g, store.Root(), id)
+	ident, up, err := OpenIdentifier(g, store.Root(), lock)
 	if err != nil {
-		return nil, wrap(ErrDatapath, err)
+		return nil, err
 	}
 	defer ident.Close()
-	moved, err := moveAll(lock, ident)
-	return &Upgraded{ID: id, Renewal: rn, Moved: moved, Unmoved: err}, nil
+	if !up.Renewal.MovePending {
+		// Members that something else left on other programs move too.
+		up.Moved, up.Unmoved = moveAll(lock, ident)
+	}
+	return &up, nil
 }
