@@ -20,8 +20,8 @@ var (
 )
 
 // TestDifferential checks the programs against policy.DirectionPolicy.Allows,
-// the direct evaluation of NetworkPolicy semantics, over random rule sets
-// and random packets. Every packet is a new flow (its source port is unique
+// the direct evaluation of NetworkPolicy semantics, and the source check,
+// over random rule sets and random packets. Every packet is a new flow (its source port is unique
 // within a set, and the table is emptied before packets without ports), so
 // the verdict is the policy's alone.
 func TestDifferential(t *testing.T) {
@@ -41,13 +41,21 @@ func TestDifferential(t *testing.T) {
 		for p := 0; p < *diffPkts; p++ {
 			d := policy.Direction(rng.IntN(2))
 			pkt, remote, port := randomPacket(rng, uint16(p+1), d)
+			// One egress packet in eight is sent in another's name,
+			// which no policy allows (the harness's pod owns pod4
+			// and pod6).
+			spoofed := false
+			if d == policy.Egress && rng.IntN(8) == 0 {
+				pkt.Src = randomAddr(rng, pkt.Src.Is6())
+				spoofed = pkt.Src != ip(pod4) && pkt.Src != ip(pod6)
+			}
 			if pkt.Proto == 47 || pkt.FragOffset != 0 || len(pkt.ExtHeaders) != 0 {
 				// Without ports, two such packets between the same
 				// ends are one flow: start from an empty table so
 				// that this one is new.
 				h.flushCT(t)
 			}
-			want := set.Direction(d).Allows(remote, pkt.Proto, port)
+			want := !spoofed && set.Direction(d).Allows(remote, pkt.Proto, port)
 			got := h.run(t, d, pkt.Marshal()) == VerdictAllow
 			cases++
 			if got != want {

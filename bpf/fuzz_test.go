@@ -25,8 +25,9 @@ var (
 // BPF_PROG_TEST_RUN, from an empty conntrack table each time. Every frame
 // must get the verdict of the one reason counter it moved, and no reason
 // that needs a tracked flow. Where the frame is plain IPv4 TCP or UDP that
-// is not a fragment, the verdict must be the reference's: the rule, or
-// nothing, decides, as policy.DirectionPolicy.Allows says. Other frames
+// is not a fragment, the verdict must be the reference's: a source that is
+// not the pod's own is spoofed in egress, else the rule, or nothing,
+// decides, as policy.DirectionPolicy.Allows says. Other frames
 // (IPv6, extension headers, ICMP, fragments) are checked by the invariants
 // only; TestDifferential holds them against the reference with
 // well-formed packets. The verifier has already proved the bounds: what
@@ -77,7 +78,10 @@ func FuzzDatapath(f *testing.F) {
 			remote = ref.dst
 		}
 		want := ReasonPolicyDeny
-		if set.Direction(d).Allows(remote, ref.proto, ref.dport) {
+		switch {
+		case egress && ref.src != ip(pod4) && ref.src != ip(pod6):
+			want = ReasonSpoofed // the harness's pod owns pod4 and pod6
+		case set.Direction(d).Allows(remote, ref.proto, ref.dport):
 			want = ReasonPolicyAllow
 		}
 		if reason != want {

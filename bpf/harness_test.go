@@ -34,8 +34,17 @@ func newHarness(tb testing.TB) *harness {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { id.Close() })
+	// BPF_PROG_TEST_RUN runs a frame without a context as if it came on
+	// the loopback device: that is the pod's veth here.
+	if err := id.SetSources(testIfindex, Sources{Addrs: []netip.Addr{ip(pod4), ip(pod6)}}); err != nil {
+		tb.Fatal(err)
+	}
 	return &harness{root: root, g: g, id: id}
 }
+
+// testIfindex is the ifindex BPF_PROG_TEST_RUN gives a frame run without a
+// context: the loopback device's.
+const testIfindex = 1
 
 func (h *harness) apply(tb testing.TB, set policy.Set) {
 	tb.Helper()

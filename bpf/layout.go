@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"fmt"
 	"unsafe"
 
@@ -24,6 +25,10 @@ type mapLayout struct {
 	// meaning last changed.
 	carry carry
 	since uint32
+	// rekey, when not nil, gives the key in this layout of an entry that
+	// a pin of layout from holds under key (or false: the entry has no
+	// place here), for a map whose entries moved but kept their meaning.
+	rekey func(from uint32, key []byte) ([]byte, bool)
 }
 
 // carry says how a map of another layout (an earlier build's pin) becomes
@@ -55,26 +60,58 @@ var (
 	lpmV6Size    = uint32(unsafe.Sizeof(podfenceLpmKeyV6{}))
 	policyVSize  = uint32(unsafe.Sizeof(podfencePolicyValue{}))
 	portSetSize  = uint32(unsafe.Sizeof(podfencePortSet{}))
+	sourcesSize  = uint32(unsafe.Sizeof(podfencePodSources{}))
 	trieCapacity = uint32(16384)
 	// A policy's port sets and its successor's, while one replaces the other.
 	portSetCapacity = uint32(2 * policy.MaxPortSets)
 )
 
 var layouts = map[string]mapLayout{
-	mapCTv4:            {ebpf.LRUHash, ctV4Size, ctValueSize, 131072, carryKeep, 1},
-	mapCTv6:            {ebpf.LRUHash, ctV6Size, ctValueSize, 65536, carryKeep, 1},
-	mapNodeAddrs:       {ebpf.Hash, 16, 1, 256, carryCopy, 1},
-	mapDenyEvents:      {ebpf.RingBuf, 0, 0, 256 * 1024, carryFresh, 1},
-	mapEventBudget:     {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1, carryFresh, 1},
-	mapFrags:           {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192, carryCopy, 1},
-	mapTickClock:       {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1, carryFresh, 1},
-	mapState:           {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1, carryCopy, 1},
-	mapCounters:        {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons), carryCopy, 1},
-	pinpath.MapPolInV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1},
-	pinpath.MapPolInV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1},
-	pinpath.MapPolEgV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1},
-	pinpath.MapPolEgV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1},
-	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity, carryCopy, 1},
+	mapCTv4:            {ebpf.LRUHash, ctV4Size, ctValueSize, 131072, carryKeep, 1, nil},
+	mapCTv6:            {ebpf.LRUHash, ctV6Size, ctValueSize, 65536, carryKeep, 1, nil},
+	mapNodeAddrs:       {ebpf.Hash, 16, 1, 256, carryCopy, 1, nil},
+	mapDenyEvents:      {ebpf.RingBuf, 0, 0, 256 * 1024, carryFresh, 1, nil},
+	mapEventBudget:     {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceEventBudget{})), 1, carryFresh, 1, nil},
+	mapFrags:           {ebpf.LRUHash, uint32(unsafe.Sizeof(podfenceFragKey{})), uint32(unsafe.Sizeof(podfenceFragPorts{})), 8192, carryCopy, 1, nil},
+	mapTickClock:       {ebpf.PerCPUArray, 4, uint32(unsafe.Sizeof(podfenceCachedTime{})), 1, carryFresh, 1, nil},
+	mapState:           {ebpf.Array, 4, uint32(unsafe.Sizeof(podfenceIdState{})), 1, carryCopy, 1, nil},
+	mapCounters:        {ebpf.PerCPUArray, 4, 8, 2 * uint32(NumReasons), carryCopy, 1, rekeyCounters},
+	pinpath.MapPolInV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolInV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolEgV4: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolEgV6: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity, carryCopy, 1, nil},
+	// New in layout 2, so no earlier pin holds entries of another
+	// meaning; a take-over of layout 1 creates it empty and fills it from
+	// the member records (lifecycle) before members move onto programs
+	// that read it.
+	mapSources: {ebpf.Hash, 4, sourcesSize, maxMembers, carryCopy, 1, nil},
+}
+
+// maxMembers is MAX_MEMBERS in maps.h: the members of one identifier on
+// one node, each with its sources entry.
+const maxMembers = 1024
+
+// reasonsIn is how many reasons (enum reason) the datapath of a layout
+// counts: the counters of layout v are indexed direction*reasonsIn(v)+reason.
+func reasonsIn(layout uint32) uint32 {
+	if layout < 2 {
+		return 11 // before REASON_SPOOFED
+	}
+	return uint32(NumReasons)
+}
+
+// rekeyCounters moves a counter of an earlier layout to its index here:
+// reasons are only ever added at the end, so a counter keeps its direction
+// and reason while the directions' blocks grow.
+func rekeyCounters(from uint32, key []byte) ([]byte, bool) {
+	idx := binary.NativeEndian.Uint32(key)
+	n := reasonsIn(from)
+	dir, r := idx/n, idx%n
+	if dir > 1 {
+		return nil, false
+	}
+	return binary.NativeEndian.AppendUint32(nil, dir*uint32(NumReasons)+r), true
 }
 
 // checkLayout compares a pinned map with the layout its name should have;

@@ -92,6 +92,7 @@ const (
 	mapState       = pinpath.MapState
 	mapCounters    = pinpath.MapCounters
 	mapPortSets    = pinpath.MapPortSets
+	mapSources     = pinpath.MapSources
 
 	progIngress = "pod_ingress"
 	progEgress  = "pod_egress"
@@ -317,6 +318,8 @@ type Identifier struct {
 	Policy [2][2]*ebpf.Map
 	// The port sets the tries' entries name.
 	PortSets *ebpf.Map
+	// Each member's source addresses, by host veth ifindex (sources.go).
+	Sources *ebpf.Map
 }
 
 // OpenIdentifier returns the programs and maps of id, reusing its pins when
@@ -443,6 +446,7 @@ func (i *Identifier) mapFields() map[string]**ebpf.Map {
 		mapState:         &i.State,
 		mapCounters:      &i.Counters,
 		mapPortSets:      &i.PortSets,
+		mapSources:       &i.Sources,
 		policyMaps[0][0]: &i.Policy[0][0],
 		policyMaps[0][1]: &i.Policy[0][1],
 		policyMaps[1][0]: &i.Policy[1][0],

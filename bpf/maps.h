@@ -11,6 +11,8 @@
 #define CT_V4_ENTRIES 131072
 #define CT_V6_ENTRIES 65536
 #define POLICY_TRIE_ENTRIES 16384
+// Members of one identifier on one node (its sources map).
+#define MAX_MEMBERS 1024
 
 // A global conntrack map: one per family, pinned once per node.
 #define CT_MAP(name, keytype, entries)                                                             \

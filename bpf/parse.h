@@ -44,6 +44,13 @@ struct quoted {
 	__u8 proto;
 };
 
+// IPv6 control messages that never leave the link, passed like ARP.
+enum link_ctl {
+	LINK_NONE = 0,
+	LINK_ND = 1,  // neighbour discovery (RFC 4861)
+	LINK_MLD = 2, // multicast listener query, report or done (RFC 2710, RFC 3810)
+};
+
 enum frag_kind {
 	FRAG_NONE = 0,  // a whole datagram
 	FRAG_FIRST = 1, // offset 0 with more to come: carries the ports
@@ -59,7 +66,7 @@ struct flow {
 	__u8 family; // 4 or 6
 	__u8 proto;
 	__u8 opens;  // a TCP SYN without ACK: the first packet of a connection
-	__u8 is_nd;         // IPv6 neighbour discovery from on-link (see parse_ipv6)
+	__u8 link_ctl;      // enum link_ctl: IPv6 control that stays on the link (see parse_ipv6)
 	__u8 is_icmp_error; // an ICMP error, quoting a datagram at quote_off
 	__u16 quote_off;    // from the start of the frame; at most PULL_LEN + 8
 };
@@ -111,6 +118,19 @@ struct ext_hdr {
 static __always_inline __u32 is_zero(__u32 x)
 {
 	return (x - 1) >> 31;
+}
+
+// is_link_local6: fe80::/10.
+static __always_inline int is_link_local6(const __u8 *a)
+{
+	return a[0] == 0xfe && (a[1] & 0xc0) == 0x80;
+}
+
+// is_unspecified6: ::, the source of duplicate address detection.
+static __always_inline int is_unspecified6(const __u8 *a)
+{
+	const __u32 *w = (const __u32 *)a;
+	return (w[0] | w[1] | w[2] | w[3]) == 0;
 }
 
 static __always_inline int is_echo(__u8 type)
@@ -290,8 +310,14 @@ static __always_inline int parse_l4(void *l4, __u32 l4_off, void *end, struct fl
 		// Echo request/reply (ICMP 8/0, ICMPv6 128/129) keep the identifier
 		// in both ports; other messages are tracked with ports 0.
 		// Router and neighbour solicitation and advertisement, and
-		// redirect (RFC 4861); parse_ipv6 also checks the hop limit.
-		f->is_nd = f->family == 6 && f->proto == IPPROTO_ICMPV6 && e->type >= 133 && e->type <= 137;
+		// redirect (RFC 4861); multicast listener messages (RFC 2710,
+		// RFC 3810). parse_ipv6 also checks where they are sent.
+		if (f->family == 6 && f->proto == IPPROTO_ICMPV6) {
+			if (e->type >= 133 && e->type <= 137)
+				f->link_ctl = LINK_ND;
+			else if ((e->type >= 130 && e->type <= 132) || e->type == 143)
+				f->link_ctl = LINK_MLD;
+		}
 		if (is_echo(e->type)) {
 			f->sport = bpf_ntohs(e->id);
 			f->dport = f->sport;
@@ -368,7 +394,18 @@ static __always_inline int parse_ipv6(void *data, void *end, struct flow *f)
 	// gateway at all, whatever the policy. A hop limit of 255 proves that
 	// it was sent on this link (RFC 4861 7.1.1), so nothing from beyond
 	// the node can pass as such.
-	f->is_nd &= ip6->hop_limit == 255;
+	if (f->link_ctl == LINK_ND && ip6->hop_limit != 255)
+		f->link_ctl = LINK_NONE;
+	// A pod's kernel reports the groups it listens to (MLD) as soon as an
+	// interface is up. Such a message carries no data, is sent from the
+	// link-local or the unspecified address to a link-scope group with a
+	// hop limit of 1 (RFC 3810 5, 7.4), and so reaches the node's veth and
+	// nothing further: judged as a flow it is only noise in the deny
+	// counts. Anything else with an MLD type is judged like any packet.
+	if (f->link_ctl == LINK_MLD &&
+	    !(ip6->hop_limit == 1 && f->dst.v6[0] == 0xff && f->dst.v6[1] == 0x02 &&
+	      (is_link_local6(f->src.v6) || is_unspecified6(f->src.v6))))
+		f->link_ctl = LINK_NONE;
 	return r;
 }
 
@@ -384,7 +421,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 	f->dport = 0;
 	f->opens = 0;
 	f->is_icmp_error = 0;
-	f->is_nd = 0;
+	f->link_ctl = LINK_NONE;
 	f->frag = FRAG_NONE;
 	f->frag_id = 0;
 

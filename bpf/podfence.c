@@ -103,12 +103,65 @@ struct {
 	__type(value, struct port_set);
 } port_sets SEC(".maps");
 
+// The addresses each member may send from, by its host veth's ifindex
+// (struct pod_sources): replicas share the programs, not their addresses.
+// The plugin writes a member's entry before it attaches the programs.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, struct pod_sources);
+} sources SEC(".maps");
+
 static __always_inline void count(int dir, int reason)
 {
 	__u32 idx = dir * REASON_MAX + reason;
 	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
 	if (c)
 		*c += 1;
+}
+
+union addr_words {
+	__u64 w[2];
+	__u8 b[16];
+};
+
+// pod_owns reports whether the pod behind the host veth ifindex may send
+// from the address hi:lo (IPv6, or IPv4-mapped, as two words in memory
+// order). A veth without an entry owns nothing: a member of an earlier
+// build, say, sends nothing new until its entry is written. A global
+// function, for the same reason as policy_lookup.
+__attribute__((noinline)) int pod_owns(__u32 ifindex, __u64 hi, __u64 lo)
+{
+	struct pod_sources *s = bpf_map_lookup_elem(&sources, &ifindex);
+	if (!s)
+		return 0;
+	if (s->flags & SOURCES_ANY)
+		return 1;
+	for (int i = 0; i < MAX_POD_ADDRS; i++) {
+		if (i >= s->count)
+			break;
+		const __u64 *a = (const __u64 *)s->addrs[i];
+		if (a[0] == hi && a[1] == lo)
+			return 1;
+	}
+	return 0;
+}
+
+// source_is_pod reports whether a packet from the pod has one of the pod's
+// own addresses as its source. Only new flows ask: a conntrack key holds
+// the source and the host veth, so an entry proves the check was passed
+// when it was written.
+static __always_inline int source_is_pod(struct __sk_buff *skb, const int family, const struct flow *f)
+{
+	union addr_words a = {};
+	if (family == 4) {
+		a.w[1] = ((__u64)f->src.v4 << 32) | 0xffff0000ULL; // ::ffff:a.b.c.d
+	} else {
+		__builtin_memcpy(a.b, f->src.v6, 16);
+	}
+	return pod_owns(skb->ifindex, a.w[0], a.w[1]);
 }
 
 // Results of policy_lookup.
@@ -120,11 +173,6 @@ static __always_inline void count(int dir, int reason)
 #define SEL_EGRESS (1u << 31)
 #define SEL_IPV6 (1u << 30)
 #define SEL_PROTO_SHIFT 16
-
-union addr_words {
-	__u64 w[2];
-	__u8 b[16];
-};
 
 // range_matches reports whether r allows port of protocol proto, without a
 // branch (BPF has no conditional set, and every branch here is one more
@@ -421,15 +469,21 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 
 	if (f->frag)
 		frag_ports(family, f);
+	// Every verdict from here on records the time: read it at one place,
+	// which the verifier walks once rather than at each verdict.
+	__u64 now = now_ns();
+
+	// A packet from the pod opens nothing in another's name: its source
+	// must be the pod's own, on every path that allows it without a
+	// current entry (ICMP errors first, which the related check allows).
+	if (dir == DIR_EGRESS && f->is_icmp_error && !source_is_pod(skb, family, f))
+		return deny(skb, dir, f, REASON_SPOOFED, now);
 	if (f->is_icmp_error &&
 	    is_related(skb, f->quote_off, (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0),
 		       gen)) {
 		count(dir, REASON_CT_RELATED);
 		return VERDICT_ALLOW;
 	}
-	// Every verdict from here on records the time: read it at one place,
-	// which the verifier walks once rather than at each verdict.
-	__u64 now = now_ns();
 
 	union ct_key key; // every byte of the family's key is written below
 	ct_key_fill(&key, family, dir, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, skb->ifindex);
@@ -449,6 +503,11 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		int reason = eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY;
 		if (ct_current(v, gen))
 			return allow_tracked(dir, v, gen, reason, now);
+	}
+	if (dir == DIR_EGRESS && !f->is_icmp_error && !source_is_pod(skb, family, f)) {
+		if (v) // written by a build before this check
+			bpf_map_delete_elem(ct_map(family), &key);
+		return deny(skb, dir, f, REASON_SPOOFED, now);
 	}
 	asm volatile("" ::: "memory"); // after the generation (see above)
 	__u8 isolated = *(volatile __u8 *)&st->isolated;
@@ -489,7 +548,14 @@ static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 		count(dir, REASON_MALFORMED);
 		return VERDICT_DROP;
 	}
-	if (f.is_nd) {
+	if (f.link_ctl) {
+		// Link control from the pod comes from its link-local or the
+		// unspecified address (which parse demands of MLD), or from one
+		// of its own; a neighbour advertisement in another's name is
+		// spoofing like any other packet.
+		if (dir == DIR_EGRESS && f.link_ctl == LINK_ND && !is_link_local6(f.src.v6) &&
+		    !is_unspecified6(f.src.v6) && !source_is_pod(skb, 6, &f))
+			return deny(skb, dir, &f, REASON_SPOOFED, now_ns());
 		count(dir, REASON_ND);
 		return VERDICT_ALLOW;
 	}

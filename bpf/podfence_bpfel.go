@@ -108,6 +108,14 @@ type podfenceLpmKeyV6 struct {
 	Addr      [16]uint8
 }
 
+type podfencePodSources struct {
+	_     structs.HostLayout
+	Count uint8
+	Flags uint8
+	Pad   [6]uint8
+	Addrs [8][16]uint8
+}
+
 type podfencePolicyValue struct {
 	_      structs.HostLayout
 	Flags  uint16
@@ -147,6 +155,7 @@ const (
 	podfenceMapPolInV4       = "pol_in_v4"
 	podfenceMapPolInV6       = "pol_in_v6"
 	podfenceMapPortSets      = "port_sets"
+	podfenceMapSources       = "sources"
 	podfenceMapState         = "state"
 	podfenceMapTickClock     = "tick_clock"
 	podfenceProgPodEgress    = "pod_egress"
@@ -217,6 +226,7 @@ type podfenceMapSpecs struct {
 	PolInV4     *ebpf.MapSpec `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.MapSpec `ebpf:"pol_in_v6"`
 	PortSets    *ebpf.MapSpec `ebpf:"port_sets"`
+	Sources     *ebpf.MapSpec `ebpf:"sources"`
 	State       *ebpf.MapSpec `ebpf:"state"`
 	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
 }
@@ -261,6 +271,7 @@ type podfenceMaps struct {
 	PolInV4     *ebpf.Map `ebpf:"pol_in_v4"`
 	PolInV6     *ebpf.Map `ebpf:"pol_in_v6"`
 	PortSets    *ebpf.Map `ebpf:"port_sets"`
+	Sources     *ebpf.Map `ebpf:"sources"`
 	State       *ebpf.Map `ebpf:"state"`
 	TickClock   *ebpf.Map `ebpf:"tick_clock"`
 }
@@ -279,6 +290,7 @@ func (m *podfenceMaps) Close() error {
 		m.PolInV4,
 		m.PolInV6,
 		m.PortSets,
+		m.Sources,
 		m.State,
 		m.TickClock,
 	)

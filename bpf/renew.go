@@ -162,7 +162,11 @@ func (s *mapSet) open(name string, p renewal, old *ebpf.Map, maxEntries uint32) 
 		return nil, err
 	}
 	if p == renewCopy {
-		if err := copyEntries(m, old); err != nil {
+		var rekey func([]byte) ([]byte, bool)
+		if f := layouts[name].rekey; f != nil {
+			rekey = func(k []byte) ([]byte, bool) { return f(s.from, k) }
+		}
+		if err := copyEntries(m, old, rekey); err != nil {
 			m.Close()
 			return nil, fmt.Errorf("copy the entries of pin %s: %w", filepath.Join(s.dir, name), err)
 		}
@@ -213,10 +217,17 @@ func newMap(name string, maxEntries uint32) (*ebpf.Map, error) {
 }
 
 // copyEntries writes every entry of src into dst, whose key and value
-// sizes are src's. A dst too small for them is an error (an LRU map evicts
-// instead, which only its own datapath would do too).
-func copyEntries(dst, src *ebpf.Map) error {
+// sizes are src's, under the key rekey gives (nil: the same key; false:
+// the entry is dropped). A dst too small for them is an error (an LRU map
+// evicts instead, which only its own datapath would do too).
+func copyEntries(dst, src *ebpf.Map, rekey func([]byte) ([]byte, bool)) error {
 	key := make([]byte, src.KeySize())
+	to := func() ([]byte, bool) {
+		if rekey == nil {
+			return key, true
+		}
+		return rekey(key)
+	}
 	it := src.Iterate()
 	n := 0
 	if src.Type() == ebpf.PerCPUArray || src.Type() == ebpf.PerCPUHash || src.Type() == ebpf.LRUCPUHash {
@@ -225,7 +236,11 @@ func copyEntries(dst, src *ebpf.Map) error {
 		}
 		var vals []uint64
 		for it.Next(key, &vals) {
-			if err := dst.Update(key, vals, ebpf.UpdateAny); err != nil {
+			k, ok := to()
+			if !ok {
+				continue
+			}
+			if err := dst.Update(k, vals, ebpf.UpdateAny); err != nil {
 				return fmt.Errorf("entry %d: %w", n, err)
 			}
 			n++
@@ -234,7 +249,11 @@ func copyEntries(dst, src *ebpf.Map) error {
 	}
 	val := make([]byte, src.ValueSize())
 	for it.Next(key, val) {
-		if err := dst.Update(key, val, ebpf.UpdateAny); err != nil {
+		k, ok := to()
+		if !ok {
+			continue
+		}
+		if err := dst.Update(k, val, ebpf.UpdateAny); err != nil {
 			return fmt.Errorf("entry %d: %w", n, err)
 		}
 		n++

@@ -170,6 +170,36 @@ func TestUnconvertible(t *testing.T) {
 // that identifier.
 func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Identifier {
 	t.Helper()
+	return pinBuild(t, g, root, id, set, marker{version: LayoutVersion, object: "an-earlier-build"},
+		func(name string, ms *ebpf.MapSpec) bool {
+			if ms.Type == ebpf.LPMTrie {
+				ms.MaxEntries = trieCapacity / 2
+			}
+			return true
+		})
+}
+
+// pinLayout1 pins id as a build of layout 1 did: counters of 11 reasons per
+// direction, and no sources map (its programs here get an unpinned one).
+func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Identifier {
+	t.Helper()
+	return pinBuild(t, g, root, id, set, marker{version: 1, object: "a-layout-1-build"},
+		func(name string, ms *ebpf.MapSpec) bool {
+			switch name {
+			case mapCounters:
+				ms.MaxEntries = 2 * reasonsIn(1)
+			case mapSources:
+				return false
+			}
+			return true
+		})
+}
+
+// pinBuild pins id's maps, shaped by shape (which says whether a map is
+// pinned), and programs loaded against them, with set applied and mk as
+// the directory's marker.
+func pinBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, mk marker, shape func(string, *ebpf.MapSpec) bool) *Identifier {
+	t.Helper()
 	cs, err := loadableSpec()
 	if err != nil {
 		t.Fatal(err)
@@ -185,16 +215,16 @@ func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set poli
 	for _, name := range identifierMaps {
 		ms := cs.Maps[name].Copy()
 		ms.Pinning = ebpf.PinNone
-		if ms.Type == ebpf.LPMTrie {
-			ms.MaxEntries = trieCapacity / 2
-			cs.Maps[name] = ms
-		}
+		pin := shape(name, ms)
+		cs.Maps[name] = ms
 		m, err := ebpf.NewMap(ms)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := m.Pin(filepath.Join(dir, name)); err != nil {
-			t.Fatal(err)
+		if pin {
+			if err := m.Pin(filepath.Join(dir, name)); err != nil {
+				t.Fatal(err)
+			}
 		}
 		*fields[name] = m
 		repl[name] = m
@@ -213,7 +243,7 @@ func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set poli
 	if err := old.pinPrograms(); err != nil {
 		t.Fatal(err)
 	}
-	if err := writeMarker(dir, marker{version: LayoutVersion, object: "an-earlier-build"}); err != nil {
+	if err := writeMarker(dir, mk); err != nil {
 		t.Fatal(err)
 	}
 	if err := old.ApplyPolicy(set); err != nil {
@@ -406,5 +436,59 @@ func TestNewerLayoutRefused(t *testing.T) {
 	_, err := OpenGlobal(root)
 	if !errors.Is(err, ErrNewerLayout) || !strings.Contains(err.Error(), fmt.Sprintf("layout %d", newer.version)) {
 		t.Errorf("open global pins of layout %d: %v, want ErrNewerLayout naming it", newer.version, err)
+	}
+}
+
+// TestRenewLayout1: an identifier of layout 1 gets a sources map, empty
+// until its members' entries are written, and its counters keep their
+// direction and reason though the directions' blocks grew by one reason.
+func TestRenewLayout1(t *testing.T) {
+	root, g := openGlobal(t)
+	id := podid.ID("web-7f65cc6544@default")
+	old := pinLayout1(t, g, root, id, isolate(rules(rule("10.1.0.0/16")), nil))
+	// Counter i of layout 1 holds i+1 on the first CPU.
+	ncpu, err := ebpf.PossibleCPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 * reasonsIn(1) {
+		vals := make([]uint64, ncpu)
+		vals[0] = uint64(i + 1)
+		if err := old.Counters.Update(i, vals, ebpf.UpdateAny); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(old.Dir, pinpath.MapSources)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("layout 1 pins hold a sources map: %v", err)
+	}
+
+	ident, rn, err := RenewIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	if rn.From != 1 || !rn.Programs || !slices.Contains(rn.Maps, mapCounters) || !rn.MovePending {
+		t.Errorf("renewal %+v, want from 1, programs and counters replaced, a move pending", rn)
+	}
+	c, err := ident.ReadCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for d := range 2 {
+		for r := range NumReasons {
+			want := uint64(0) // spoofed is new
+			if r != ReasonSpoofed {
+				want = uint64(d)*uint64(reasonsIn(1)) + uint64(r) + 1
+			}
+			if c[d][r] != want {
+				t.Errorf("counter %s of direction %d: %d, want %d", r, d, c[d][r], want)
+			}
+		}
+	}
+	if src, err := ident.ReadSources(); err != nil || len(src) != 0 {
+		t.Errorf("sources after the take-over: %v, %v; want an empty map", src, err)
+	}
+	if _, err := os.Stat(filepath.Join(ident.Dir, pinpath.MapSources)); err != nil {
+		t.Errorf("sources map not pinned: %v", err)
 	}
 }

@@ -29,8 +29,9 @@ enum reason {
 	REASON_REVOKED = 7,        // tracked flow the current policy no longer allows
 	REASON_MALFORMED = 8,      // truncated or malformed IP packet: dropped
 	REASON_CT_RELATED = 9,     // ICMP error about a tracked flow (e.g. "packet too big")
-	REASON_ND = 10,            // IPv6 neighbour discovery on the link: passed like ARP
-	REASON_MAX = 11,
+	REASON_ND = 10,            // IPv6 link control (neighbour discovery, MLD): passed like ARP
+	REASON_SPOOFED = 11,       // from the pod, with a source that is not the pod's: dropped
+	REASON_MAX = 12,
 };
 
 // State of one identifier (array map with one entry).
@@ -85,6 +86,23 @@ struct lpm_key_v4 {
 struct lpm_key_v6 {
 	__u32 prefixlen;
 	__u8 addr[16];
+};
+
+// Addresses one pod's host veth may send from; more are refused at ADD.
+#define MAX_POD_ADDRS 8
+
+enum source_flags {
+	SOURCES_ANY = 1, // the check is off for this pod (the plugin's sourceCheck false)
+};
+
+// The source addresses of the pod behind one host veth, keyed by the veth's
+// ifindex in its identifier's sources map. Exact addresses (the pod's /32
+// and /128, never the primary plugin's prefix), IPv4 as IPv4-mapped IPv6.
+struct pod_sources {
+	__u8 count; // addresses in addrs
+	__u8 flags; // enum source_flags
+	__u8 pad[6];
+	__u8 addrs[MAX_POD_ADDRS][16];
 };
 
 // Conntrack keys, written from the pod's side so that a flow and its replies

@@ -27,14 +27,15 @@ const (
 	ReasonRevoked                     // tracked flow the current policy no longer allows: dropped
 	ReasonMalformed                   // truncated or malformed IP packet: dropped
 	ReasonCTRelated                   // ICMP error about a tracked flow ("packet too big")
-	ReasonND                          // IPv6 neighbour discovery on the link: passed like ARP
+	ReasonND                          // IPv6 link control (neighbour discovery, MLD): passed like ARP
+	ReasonSpoofed                     // from the pod with a source that is not its own: dropped
 	NumReasons
 )
 
 var reasonNames = [NumReasons]string{
 	"ct-established", "ct-reply", "policy-allow", "not-isolated", "node",
 	"not-ip", "policy-deny", "revoked", "malformed", "ct-related",
-	"neighbor-discovery",
+	"neighbor-discovery", "spoofed",
 }
 
 func (r Reason) String() string {
@@ -47,7 +48,7 @@ func (r Reason) String() string {
 // Verdict is the verdict the programs give for r.
 func (r Reason) Verdict() uint32 {
 	switch r {
-	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed:
+	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed, ReasonSpoofed:
 		return VerdictDrop
 	}
 	return VerdictAllow

@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"errors"
 	"net/netip"
 	"testing"
 
@@ -290,6 +291,62 @@ func verdictCases() []verdictCase {
 			send(in, nd(peer6, pod6, 138, 255), ReasonPolicyDeny)}},
 		{"icmpv6 types in ipv4 are not neighbour discovery", denyBoth, []step{
 			send(in, nd(peer4, pod4, 135, 255), ReasonPolicyDeny)}},
+		// Multicast listener messages stay on the link: from the
+		// link-local or unspecified address, hop limit 1, to a
+		// link-scope group (the pod's kernel sends reports with a
+		// hop-by-hop router alert in front).
+		{"multicast listener reports pass closed directions", denyBoth, []step{
+			send(out, ext(nd("fe80::10", "ff02::16", 143, 1), packet.ExtHeader{Type: 0}), ReasonND),
+			send(out, nd("::", "ff02::16", 143, 1), ReasonND),
+			send(out, nd("fe80::10", "ff02::2", 132, 1), ReasonND),
+			send(in, nd("fe80::1", "ff02::1", 130, 1), ReasonND)}},
+		{"multicast listener messages off the link are flows", denyBoth, []step{
+			send(in, nd(peer6, "ff02::16", 143, 1), ReasonPolicyDeny),
+			send(in, nd("fe80::1", "ff05::16", 143, 1), ReasonPolicyDeny),
+			send(in, nd("fe80::1", "ff02::16", 143, 2), ReasonPolicyDeny),
+			send(out, nd(pod6, "ff02::16", 143, 1), ReasonPolicyDeny)}},
+
+		// A pod speaks only for itself: a new flow from the pod with a
+		// source not its own is dropped before anything is tracked, on
+		// every path (policy, not isolated, node peers, ICMP errors).
+		{"forged sources in egress", isolate(nil, rules(rule("0.0.0.0/0"), rule("::/0"))), []step{
+			send(out, syn(tcp(peer4, "10.9.0.1", 40000, 80)), ReasonSpoofed),
+			send(out, tcp(peer4, "10.9.0.1", 40000, 80), ReasonSpoofed),
+			send(out, udp(peer4, "10.9.0.1", 40000, 53), ReasonSpoofed),
+			send(out, syn(tcp("10.0.0.11", "10.9.0.1", 40000, 80)), ReasonSpoofed), // a neighbour in the pod's /24
+			send(out, syn(tcp(node4, "10.9.0.1", 40000, 80)), ReasonSpoofed),
+			send(out, syn(tcp(peer6, "fd09::1", 40000, 80)), ReasonSpoofed),
+			send(out, withOpts(syn(tcp(peer4, "10.9.0.1", 40000, 80)), 12), ReasonSpoofed),
+			send(out, ext(udp(peer6, "fd09::1", 40000, 53), packet.ExtHeader{Type: 0}, packet.ExtHeader{Type: 60}), ReasonSpoofed),
+			send(out, frag4(udp(peer4, "10.9.0.1", 0, 0), 100, false), ReasonSpoofed),
+			send(out, echo(peer4, "10.9.0.1", 3), ReasonSpoofed),
+			send(out, syn(tcp(pod4, "10.9.0.1", 40000, 80)), ReasonPolicyAllow),
+			send(out, withOpts(syn(tcp(pod4, "10.9.0.1", 40001, 80)), 12), ReasonPolicyAllow),
+			send(out, ext(udp(pod6, "fd09::1", 40000, 53), packet.ExtHeader{Type: 0}, packet.ExtHeader{Type: 60}), ReasonPolicyAllow)}},
+		{"forged sources where egress is not isolated", web80, []step{
+			send(out, syn(tcp(peer4, "10.9.0.1", 40000, 80)), ReasonSpoofed),
+			send(out, udp(peer6, "fd09::1", 40000, 53), ReasonSpoofed),
+			send(out, syn(tcp(pod4, "10.9.0.1", 40000, 80)), ReasonNotIsolated)}},
+		{"forged node address to the pod's own peer", isolate(rules(), nil), []step{
+			// The node's address is allowed into every pod: a pod that
+			// could send with it would pass every ingress policy.
+			send(out, syn(tcp(node4, pod4, 40000, 80)), ReasonSpoofed),
+			send(in, syn(tcp(node4, pod4, 40000, 80)), ReasonNode)}},
+		{"a forged reply opens nothing", isolate(rules(), nil), []step{
+			// The upstream agent's conntrack poisoning: a "reply" from
+			// another pod's service port (10.0.0.20:8080) to a peer,
+			// which, tracked, would let the peer's packets in as its
+			// replies.
+			send(out, tcp("10.0.0.20", peer4, 8080, 40000), ReasonSpoofed),
+			send(in, tcp(peer4, "10.0.0.20", 40000, 8080), ReasonPolicyDeny)}},
+		{"icmp errors from the pod carry its address", isolate(rules(rule("10.1.0.0/16")), rules()), []step{
+			send(in, syn(tcp(peer4, pod4, 40000, 80)), ReasonPolicyAllow),
+			send(out, packet.ICMPError(ip(router4), syn(tcp(peer4, pod4, 40000, 80)), 3), ReasonSpoofed),
+			send(out, packet.ICMPError(ip(pod4), syn(tcp(peer4, pod4, 40000, 80)), 3), ReasonCTRelated)}},
+		{"neighbour discovery in another's name", denyBoth, []step{
+			send(out, nd("fd00::99", "ff02::1", 136, 255), ReasonSpoofed),
+			send(out, nd(pod6, "ff02::1", 136, 255), ReasonND),
+			send(out, nd("::", "ff02::1:ff00:10", 135, 255), ReasonND)}},
 
 		// Policy changes and generations.
 		{"revoked flow dropped on next packet", web80, []step{
@@ -412,4 +469,46 @@ func TestVerdicts(t *testing.T) {
 		})
 	}
 	t.Logf("%d cases, %d packets", len(cases), steps)
+}
+
+// TestSourceCheckSettings: a veth without an entry opens nothing, and one
+// whose entry says any source (sourceCheck false) is judged by policy alone.
+func TestSourceCheckSettings(t *testing.T) {
+	h := newHarness(t)
+	h.apply(t, isolate(nil, rules(rule("10.9.0.0/16"))))
+	forged := syn(tcp(peer4, "10.9.0.1", 40000, 80)).Marshal()
+	own := syn(tcp(pod4, "10.9.0.1", 40001, 80)).Marshal()
+	for _, c := range []struct {
+		name         string
+		set          func() error
+		forged, mine Reason
+	}{
+		{"exact", func() error { return h.id.SetSources(testIfindex, Sources{Addrs: []netip.Addr{ip(pod4)}}) }, ReasonSpoofed, ReasonPolicyAllow},
+		{"no entry", func() error { return h.id.Sources.Delete(uint32(testIfindex)) }, ReasonSpoofed, ReasonSpoofed},
+		{"any source", func() error { return h.id.SetSources(testIfindex, Sources{Any: true}) }, ReasonPolicyAllow, ReasonPolicyAllow},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h.flushCT(t)
+			if err := c.set(); err != nil {
+				t.Fatal(err)
+			}
+			if _, r := h.runReason(t, out, forged); r != c.forged {
+				t.Errorf("forged source: %s, want %s", r, c.forged)
+			}
+			if _, r := h.runReason(t, out, own); r != c.mine {
+				t.Errorf("own source: %s, want %s", r, c.mine)
+			}
+		})
+	}
+	got, err := h.id.ReadSources()
+	if err != nil || len(got) != 1 || !got[testIfindex].Any {
+		t.Errorf("ReadSources() = %v, %v; want ifindex %d with any source", got, err, testIfindex)
+	}
+	addrs := make([]netip.Addr, MaxSourceAddrs+1)
+	for i := range addrs {
+		addrs[i] = netip.AddrFrom4([4]byte{10, 0, 0, byte(i)})
+	}
+	if err := h.id.SetSources(testIfindex, Sources{Addrs: addrs}); !errors.Is(err, ErrTooManySources) {
+		t.Errorf("SetSources with %d addresses: %v, want ErrTooManySources", len(addrs), err)
+	}
 }

@@ -112,9 +112,14 @@ func (e *env) opts(h Hook, prog *ebpf.Program) Options {
 }
 
 // attachBoth puts the identifier's ingress program on the host veth's
-// egress hook and its egress program on the ingress hook.
+// egress hook and its egress program on the ingress hook, after recording
+// the pod's addresses as what it may send from.
 func (e *env) attachBoth() {
 	e.t.Helper()
+	src := bpf.Sources{Addrs: []netip.Addr{netnsutil.PodV4.Addr(), netnsutil.PodV6.Addr()}}
+	if err := e.id.SetSources(uint32(e.HostIndex), src); err != nil {
+		e.t.Fatal(err)
+	}
 	e.attach(e.opts(HookEgress, e.id.Ingress))
 	e.attach(e.opts(HookIngress, e.id.Egress))
 }

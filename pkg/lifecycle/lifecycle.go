@@ -82,15 +82,16 @@ func VethPresent(m membership.Member) (bool, error) {
 	return link.Attrs().Name == m.HostVeth, nil
 }
 
-// RemoveMember detaches a member's programs and deletes its record. Gone
-// already (veth, links, record) is fine.
+// RemoveMember detaches a member's programs and deletes its record and
+// its sources entry. Gone already (veth, links, record) is fine.
 func RemoveMember(lock *membership.Lock, m membership.Member) error {
 	// The legacy filter is found by ifindex, which a new veth may have
 	// taken since: detach it only from the veth the record names; without
 	// it (ifindex 0) Detach removes only the link pins. A veth whose
 	// presence cannot be read is treated as gone, for the same reason.
 	ifindex := m.HostIfindex
-	if present, err := VethPresent(m); err != nil || !present {
+	present, err := VethPresent(m)
+	if err != nil || !present {
 		ifindex = 0
 	}
 	var errs []error
@@ -103,7 +104,35 @@ func RemoveMember(lock *membership.Lock, m membership.Member) error {
 	if len(errs) > 0 {
 		return fmt.Errorf("%w: veth %s: %w", ErrAttach, m.HostVeth, errors.Join(errs...))
 	}
-	return wrap(ErrState, lock.Remove(m.Key()))
+	if err := lock.Remove(m.Key()); err != nil {
+		return wrap(ErrState, err)
+	}
+	return removeSources(lock, m, present)
+}
+
+// removeSources deletes the sources entry of a removed member's veth. A
+// veth that is gone may have passed its ifindex on to another member of
+// the identifier, whose entry it is now: it stays then. (Another
+// identifier's member keeps its entry in its own identifier's map.)
+func removeSources(lock *membership.Lock, m membership.Member, present bool) error {
+	if !present {
+		sc, err := lock.Scan()
+		if err != nil {
+			return wrap(ErrState, err)
+		}
+		for _, o := range sc.Members {
+			if o.HostIfindex == m.HostIfindex {
+				return nil
+			}
+		}
+	}
+	return wrap(ErrDatapath, bpf.DeleteSources(lock.Dir(), uint32(m.HostIfindex)))
+}
+
+// setSources writes what m may send from into ident's sources map, before
+// ident's programs run on m's veth.
+func setSources(m membership.Member, ident *bpf.Identifier) error {
+	return ident.SetSources(uint32(m.HostIfindex), bpf.Sources{Addrs: m.Sources(), Any: m.AnySource})
 }
 
 // RemoveIfUnused removes the identifier's pins when it has no member left,
@@ -279,6 +308,11 @@ func MoveMembers(lock *membership.Lock, ident *bpf.Identifier) (int, error) {
 // moveMember attaches ident's programs to the hooks of m that run another,
 // and returns how many it changed.
 func moveMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifier) (int, error) {
+	// Programs of a build before the source check run without entries:
+	// the move writes them first.
+	if err := setSources(m, ident); err != nil {
+		return 0, err
+	}
 	changed := 0
 	for _, h := range Hooks(lock, m) {
 		id, err := objinfo.ProgramID(ProgramFor(ident, h.Hook))
@@ -296,10 +330,13 @@ func moveMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifie
 	return changed, nil
 }
 
-// AttachMember attaches ident's programs to both hooks of m's veth, in
-// the mode its record names. Attaching is idempotent, and replaces another
-// program atomically.
+// AttachMember writes what m may send from, then attaches ident's
+// programs to both hooks of m's veth, in the mode its record names.
+// Attaching is idempotent, and replaces another program atomically.
 func AttachMember(lock *membership.Lock, m membership.Member, ident *bpf.Identifier) error {
+	if err := setSources(m, ident); err != nil {
+		return err
+	}
 	for _, h := range Hooks(lock, m) {
 		if err := attachHook(m, h, ident); err != nil {
 			return fmt.Errorf("veth %s: %w", m.HostVeth, err)

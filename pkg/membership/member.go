@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -19,6 +20,22 @@ type Member struct {
 	HostIfindex int
 	IPs         []netip.Prefix // the pod's addresses, from the primary plugin's result
 	AttachMode  string         // "tcx" or "tc": how the programs were attached
+	// AnySource: the pod may send from any address (the plugin's
+	// sourceCheck false). Records of builds before the check lack it, and
+	// read as false: the check applies.
+	AnySource bool
+}
+
+// Sources are the exact addresses the member may send from: the host
+// address of each of its prefixes.
+func (m Member) Sources() []netip.Addr {
+	out := make([]netip.Addr, 0, len(m.IPs))
+	for _, p := range m.IPs {
+		if a := p.Addr(); !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // Key names the member's directory: the container ID, '@', and the interface
@@ -51,6 +68,11 @@ func (m Member) MarshalText() ([]byte, error) {
 		ips[i] = p.String()
 	}
 	v.Set("ips", strings.Join(ips, ","))
+	if m.AnySource {
+		// Only when set: a record without it reads the same in every
+		// build, so a rollback finds nothing new in it.
+		v.Set("sources", "any")
+	}
 	return []byte(v.Encode()), nil
 }
 
@@ -73,6 +95,7 @@ func (m *Member) UnmarshalText(b []byte) error {
 		HostVeth:    v.Get("veth"),
 		HostIfindex: idx,
 		AttachMode:  v.Get("mode"),
+		AnySource:   v.Get("sources") == "any",
 	}
 	if s := v.Get("ips"); s != "" {
 		for _, ip := range strings.Split(s, ",") {

@@ -6,7 +6,7 @@
 //	<root>/global/<map>                           maps shared by every identifier on the node
 //	<root>/global/layout, <root>/ids/<id>/layout  the layout version (and build) of the maps there
 //	<root>/ids/<identifier>/prog_ingress|egress   the identifier's programs
-//	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets
+//	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets, members' sources
 //	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
 //	<root>/ids/<identifier>/members/<key>/link_*  the member's pinned TCX links
 //	<root>/status/verified-<hash>                 STATUS's cache: this build loads on this kernel
@@ -73,6 +73,7 @@ const (
 	MapPolInV6  = "pol_in_v6"
 	MapPolEgV4  = "pol_eg_v4"
 	MapPolEgV6  = "pol_eg_v6"
+	MapSources  = "sources"
 )
 
 // GlobalMaps are the map pins in GlobalDir.
@@ -83,7 +84,7 @@ func GlobalMaps() []string {
 // IdentifierMaps are the map pins of an identifier's directory, beside its
 // two program pins and MembersDir.
 func IdentifierMaps() []string {
-	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6}
+	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6, MapSources}
 }
 
 // Root is a pin root: a directory on bpffs that podfence owns.

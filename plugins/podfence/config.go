@@ -53,6 +53,12 @@ type PluginConf struct {
 	// of another size are refused.
 	CTv4Entries uint32 `json:"ctV4Entries,omitempty"`
 	CTv6Entries uint32 `json:"ctV6Entries,omitempty"`
+	// SourceCheck (default true) drops a packet that opens a flow from a
+	// pod with a source address that is not the pod's own. false is for
+	// nodes whose pods must send from other addresses (VPN or egress
+	// gateways): any pod on them can then speak for another, the node
+	// included, and pass the policies that allow what it pretends to be.
+	SourceCheck *bool `json:"sourceCheck,omitempty"`
 
 	mode       policy.Mode
 	attachMode attach.Mode
@@ -66,7 +72,7 @@ var knownKeys = map[string]bool{
 	"dns": true, "prevResult": true, "cni.dev/valid-attachments": true,
 	"runtimeConfig": true, "args": true,
 	"pinRoot": true, "policyDir": true, "enforcingMode": true, "attachMode": true,
-	"logFile": true, "logLevel": true, "ctV4Entries": true, "ctV6Entries": true,
+	"logFile": true, "logLevel": true, "ctV4Entries": true, "ctV6Entries": true, "sourceCheck": true,
 	// The name an earlier draft of the spec used; libcni's GC sends it
 	// beside the current one (containernetworking/cni#1101).
 	oldValidAttachmentsKey: true,
@@ -89,7 +95,7 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 	}
 	if len(unknown) > 0 {
 		sort.Strings(unknown)
-		return nil, configError("unknown config keys %s (podfence takes pinRoot, policyDir, enforcingMode, attachMode, logFile, logLevel, ctV4Entries, ctV6Entries)", strings.Join(unknown, ", "))
+		return nil, configError("unknown config keys %s (podfence takes pinRoot, policyDir, enforcingMode, attachMode, logFile, logLevel, ctV4Entries, ctV6Entries, sourceCheck)", strings.Join(unknown, ", "))
 	}
 
 	conf := &PluginConf{}
@@ -139,6 +145,11 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 		return nil, configError("no prevResult: podfence must be chained after a plugin that creates the pod's interface (e.g. aws-cni or ptp)")
 	}
 	return conf, nil
+}
+
+// sourceCheck is SourceCheck with its default.
+func (c *PluginConf) sourceCheck() bool {
+	return c.SourceCheck == nil || *c.SourceCheck
 }
 
 func parseLogLevel(s string) (slog.Level, error) {

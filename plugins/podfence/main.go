@@ -67,6 +67,9 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.veth = veth.Name
+	if err := checkSources(conf, prev); err != nil {
+		return err
+	}
 	call.mark("find-veth")
 	mode, err := attach.Resolve(conf.attachMode)
 	if err != nil {
@@ -106,6 +109,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		HostIfindex: veth.Index,
 		IPs:         podIPs(prev),
 		AttachMode:  string(mode),
+		AnySource:   !conf.sourceCheck(),
 	}
 	if err := add(conf, call, lock, member, set); err != nil {
 		// Leave nothing behind: this member's attachments and record,
@@ -173,6 +177,19 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 		return types.NewError(errAttach, err.Error(), "")
 	}
 	call.mark("attach")
+	return nil
+}
+
+// checkSources refuses, before anything changes, a prevResult whose
+// addresses the source check cannot hold or would leave the pod silent.
+func checkSources(conf *PluginConf, prev *current.Result) error {
+	n := len(membership.Member{IPs: podIPs(prev)}.Sources())
+	switch {
+	case n > bpf.MaxSourceAddrs:
+		return configError("prevResult lists %d addresses for the pod; podfence holds at most %d per pod", n, bpf.MaxSourceAddrs)
+	case n == 0 && conf.sourceCheck():
+		return configError("prevResult lists no address for the pod: the source check would drop every flow it opens (the primary plugin must report the pod's addresses, or set sourceCheck false)")
+	}
 	return nil
 }
 
