@@ -18,6 +18,7 @@ import (
 	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/sweep"
 )
@@ -421,6 +422,11 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer g.Close()
+	// The node's addresses go into every identifier's tries with the
+	// policy, as run writes them: read them now, not at the last ADD.
+	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
+		return err
+	}
 	n, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
 	if err != nil {
 		return err

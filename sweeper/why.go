@@ -29,6 +29,7 @@ type whyResult struct {
 	Explanation policy.Explanation `json:"explanation"`
 
 	reason bpf.Reason
+	own    []string // the member's addresses
 }
 
 // whyProtocols are the protocols a trial packet can be built for.
@@ -40,6 +41,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	pod := fs.String("pod", "", "the pod: NAME.NAMESPACE (NAME alone: namespace default), or an identifier NAME@NAMESPACE")
 	from := fs.String("from", "", "a connection from this address to the pod (ingress)")
 	to := fs.String("to", "", "a connection from the pod to this address (egress)")
+	source := fs.String("source", "", "with --to: the source address of the pod's packet (default: the pod's own), as trace shows a spoofed one")
 	policyDir := fs.String("policy-dir", defaultPolicyDir, "the plugin's policyDir, to name the rules that decide")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: podfence-sweeper why --pod POD (--from|--to) ADDR PORT/PROTO\n\n"+
@@ -54,7 +56,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		}
 		return usageError{err}
 	}
-	q, err := parseWhy(*pod, *from, *to, fs.Args())
+	q, err := parseWhy(*pod, *from, *to, *source, fs.Args())
 	if err != nil {
 		return usageError{err}
 	}
@@ -74,6 +76,9 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	pkt := packet.Packet{Src: q.peer, Dst: podAddr, Proto: q.proto, SrcPort: 40000, DstPort: q.port, TCPFlags: 0x02}
 	if q.dir == policy.Egress {
 		pkt.Src, pkt.Dst = podAddr, q.peer
+		if q.source.IsValid() {
+			pkt.Src = q.source
+		}
 	}
 	store := membership.New(c.pinRoot)
 	lock, err := store.Lock(q.id, false)
@@ -98,7 +103,8 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		Protocol: policy.Protocol(q.proto).String(),
 		Src:      netip.AddrPortFrom(pkt.Src, pkt.SrcPort).String(), Dst: netip.AddrPortFrom(pkt.Dst, pkt.DstPort).String(),
 		Verdict: "allow", Reason: reason.String(), reason: reason,
-		Explanation: policy.Explain(docs, q.id, mode, q.dir, q.peer, q.proto, q.port)}
+		Explanation: policy.Explain(docs, q.id, mode, q.dir, q.peer, q.proto, q.port),
+		own:         member.IPs}
 	if ret != bpf.VerdictAllow {
 		res.Verdict = "deny"
 	}
@@ -117,6 +123,9 @@ func printWhy(w io.Writer, r whyResult) {
 		fmt.Fprintf(w, "  no policy isolates the pod's %s\n", r.Direction)
 	case bpf.ReasonNode:
 		fmt.Fprintf(w, "  the peer is one of the node's own addresses, always allowed\n")
+	case bpf.ReasonSpoofed:
+		fmt.Fprintf(w, "  the source is not one of the pod's own addresses (%s): a pod speaks only for itself (the plugin's sourceCheck)\n", strings.Join(r.own, ", "))
+		return // policy was not consulted
 	case bpf.ReasonCTEstablished, bpf.ReasonCTReply:
 		fmt.Fprintf(w, "  a flow in conntrack, checked against the current policy\n")
 	case bpf.ReasonPolicyDeny:
@@ -156,9 +165,12 @@ type whyQuery struct {
 	peer  netip.Addr
 	proto uint8
 	port  uint16
+	// source, when valid, is the source of an egress packet in place of
+	// the pod's own address.
+	source netip.Addr
 }
 
-func parseWhy(pod, from, to string, rest []string) (whyQuery, error) {
+func parseWhy(pod, from, to, source string, rest []string) (whyQuery, error) {
 	var q whyQuery
 	var err error
 	switch {
@@ -191,6 +203,17 @@ func parseWhy(pod, from, to string, rest []string) (whyQuery, error) {
 		return q, fmt.Errorf("%s: %w", addr, err)
 	}
 	q.peer = q.peer.Unmap()
+	if source != "" {
+		if q.dir != policy.Egress {
+			return q, errors.New("--source goes with --to: it is the source of the pod's own packet")
+		}
+		if q.source, err = netip.ParseAddr(source); err != nil {
+			return q, fmt.Errorf("--source %s: %w", source, err)
+		}
+		if q.source = q.source.Unmap(); q.source.Is4() != q.peer.Is4() {
+			return q, fmt.Errorf("--source %s is not of the family of %s", source, to)
+		}
+	}
 	if len(rest) != 1 {
 		return q, errors.New("say the port and protocol once, as in 8080/tcp")
 	}
