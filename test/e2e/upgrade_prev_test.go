@@ -1,0 +1,199 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+// previousBuild is the last commit of layout 1, the build before the
+// source check: the build every node ran until this layout.
+const (
+	previousBuild       = "f9c911c0958f40e88f68041efdfe43ff56b127ee"
+	previousLayout      = 1
+	previousReasonCount = 11
+)
+
+// buildPrevious builds podfence and podfence-sweeper of previousBuild from
+// this clone's history (its generated datapath is committed, so no clang),
+// and returns the directory that holds them.
+func buildPrevious(t testing.TB) string {
+	t.Helper()
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, out := t.TempDir(), t.TempDir()
+	archive := exec.Command("git", "-C", root, "archive", "--format=tar", previousBuild)
+	var tarball, stderr bytes.Buffer
+	archive.Stdout, archive.Stderr = &tarball, &stderr
+	if err := archive.Run(); err != nil {
+		t.Fatalf("git archive %s: %v: %s (the take-over test needs a clone with the history of layout %d's last build)",
+			previousBuild, err, stderr.Bytes(), previousLayout)
+	}
+	untar := exec.Command("tar", "-x", "-C", src)
+	untar.Stdin = &tarball
+	if b, err := untar.CombinedOutput(); err != nil {
+		t.Fatalf("untar %s: %v: %s", previousBuild, err, b)
+	}
+	for _, args := range [][]string{
+		{"build", "-o", filepath.Join(out, "podfence"), "./plugins/podfence"},
+		{"build", "-o", filepath.Join(out, "podfence-sweeper"), "./sweeper"},
+	} {
+		cmd := exec.Command("go", args...)
+		cmd.Dir = src
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go %v of %s: %v: %s", args, previousBuild, err, b)
+		}
+	}
+	return out
+}
+
+// TestUpgradeFromPreviousLayout: a node of the build before the source
+// check (layout 1: no sources map, counters of 11 reasons) carries live
+// traffic through a service VIP while this build's plugin adds a replica
+// and its sweeper starts, as a rollout does. No allowed connection fails
+// and the stranger never gets through; every member gets its sources
+// entry before it runs this build's programs (else its new flows would be
+// dropped as spoofed); the counters keep their reasons (a counter of the
+// earlier layout under the index it had would show up as another reason,
+// spoofed among them); and the moved members are held to their own
+// addresses from then on.
+func TestUpgradeFromPreviousLayout(t *testing.T) {
+	prev := buildPrevious(t)
+	for _, mode := range attachModes(t) {
+		t.Run(mode, func(t *testing.T) { testUpgradeFromPrevious(t, mode, prev) })
+	}
+}
+
+func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
+	c := newCluster(t, mode)
+	c.useBuild(prev)
+	client, stranger, web := c.vipScene(t)
+	web2 := c.addPod(webReplicas[1], "default")
+	webID, clientID, strangerID := podid.ID("web-7f65cc6544@default"), podid.ID("client@default"), podid.ID("stranger@default")
+	ids := []podid.ID{webID, clientID, strangerID}
+	if m := readMarker(t, pinpath.Root(c.pinRoot).Global()); m != fmt.Sprintf("v%d", previousLayout) {
+		t.Fatalf("the previous build wrote global marker %q, want v%d", m, previousLayout)
+	}
+
+	traffic := startTraffic(t, client, stranger, 2)
+	time.Sleep(time.Second)
+	before := map[podid.ID]bpf.Counters{}
+	for _, id := range ids {
+		before[id] = previousCounters(t, c, id)
+	}
+
+	c.useBuild(binDir)
+	web3 := c.addPod(webReplicas[2], "default")
+	time.Sleep(500 * time.Millisecond)
+	sweeper, _ := c.runSweeper(t, "--interval-min", "1s", "--interval-max", "1s")
+	c.waitHealthy(t)
+	time.Sleep(time.Second)
+	traffic.Stop()
+	traffic.Check(t)
+	t.Logf("%d client connections, %d long-lived messages, %d stranger attempts through the take-over",
+		traffic.Allowed.Load(), traffic.LongMessages.Load(), traffic.StrangerTries.Load())
+
+	want := fmt.Sprintf("v%d", bpf.LayoutVersion)
+	for _, id := range ids {
+		if m := readMarker(t, c.identifierDir(string(id))); !strings.HasPrefix(m, want+" object=") || strings.HasSuffix(m, " moving") {
+			t.Errorf("%s: layout marker %q, want %q and the object, its members moved", id, m, want)
+		}
+		info, err := bpf.InspectIdentifier(c.pinRoot, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for d := range 2 {
+			for r := range bpf.Reason(previousReasonCount) {
+				if info.Counters[d][r] < before[id][d][r] {
+					t.Errorf("%s: counter %s of direction %d went from %d to %d: counters were moved to other reasons",
+						id, r, d, before[id][d][r], info.Counters[d][r])
+				}
+			}
+		}
+	}
+
+	// Every member, moved or new, has exactly its own addresses.
+	members := map[podid.ID][]*pod{webID: {web, web2, web3}, clientID: {client}, strangerID: {stranger}}
+	for id, pods := range members {
+		sources := readSources(t, c, id)
+		for _, p := range pods {
+			got, ok := sources[uint32(lcIfindex(t, c, p.hostVeth))]
+			if !ok || len(got.Addrs) != 1 || got.Addrs[0] != p.ip || got.Any {
+				t.Errorf("%s (%s): sources %+v (%v), want %s alone", p.name, id, got, ok, p.ip)
+			}
+		}
+	}
+
+	// The moved stranger can no longer speak for the client.
+	spoofedBefore := c.counter(t, stranger, bpf.ReasonSpoofed)
+	sendFrame(t, c, stranger, packet.Packet{Src: client.ip, Dst: web.ip, Proto: 6, SrcPort: 40123, DstPort: backendPort, TCPFlags: 0x02})
+	if n := c.counter(t, stranger, bpf.ReasonSpoofed); n != spoofedBefore+1 {
+		t.Errorf("the stranger's SYN in the client's name: spoofed count %d -> %d, want one more", spoofedBefore, n)
+	}
+	if err := sweeper.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	sweeper.Wait()
+}
+
+// previousCounters reads an identifier's counters as the previous layout
+// indexes them (direction*11 + reason).
+func previousCounters(t *testing.T, c *cluster, id podid.ID) bpf.Counters {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(c.identifierDir(string(id)), pinpath.MapCounters), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if m.MaxEntries() != 2*previousReasonCount {
+		t.Fatalf("%s: counters of %d entries, want the previous layout's %d", id, m.MaxEntries(), 2*previousReasonCount)
+	}
+	var out bpf.Counters
+	for d := range 2 {
+		for r := range previousReasonCount {
+			var perCPU []uint64
+			if err := m.Lookup(uint32(d*previousReasonCount+r), &perCPU); err != nil {
+				t.Fatal(err)
+			}
+			for _, v := range perCPU {
+				out[d][r] += v
+			}
+		}
+	}
+	return out
+}
+
+// readSources is what an identifier's sources map holds.
+func readSources(t *testing.T, c *cluster, id podid.ID) map[uint32]bpf.Sources {
+	t.Helper()
+	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{KeepLayout: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	s, err := ident.ReadSources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
