@@ -1,9 +1,11 @@
 package bpf
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"net/netip"
+	"os/exec"
 	"runtime"
 	"sort"
 	"sync"
@@ -11,9 +13,11 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -299,5 +303,137 @@ func BenchmarkIdentifierMemory(b *testing.B) {
 			b.ReportMetric(float64(total), "memlock-bytes")
 			b.ReportMetric(0, "ns/op")
 		})
+	}
+}
+
+// previousObject is layout 1's last build (the one before the source
+// check), whose datapath object BenchmarkSourceCheck reads from git.
+const previousObject = "f9c911c0958f40e88f68041efdfe43ff56b127ee"
+
+// BenchmarkSourceCheck prices the source check where it is paid: a new
+// flow from the pod. The same new flows (distinct tuples of TCP SYNs from
+// pod4) run through this build's egress program and through that of the
+// build before the check (its object read from git history, loaded with
+// maps of its own), in two policies: egress not isolated (the shortcut
+// most pods take) and egress isolated with a rule that allows them. It
+// reports the median of the kernel's single-run durations of each, and
+// "x-previous", this build's over the previous build's. "this-any" runs
+// with the check off for the pod (sourceCheck false): the lookup without
+// the comparison.
+func BenchmarkSourceCheck(b *testing.B) {
+	prev := previousEgress(b)
+	h := newHarness(b)
+	dst := netip.MustParsePrefix("10.9.0.0/24")
+	frame := func(i int) []byte {
+		return syn(tcp(pod4, "10.9.0.7", uint16(1024+i%60000), 80)).Marshal()
+	}
+	for _, pol := range []struct {
+		name string
+		set  policy.Set
+	}{
+		{"egress-open", isolate(nil, nil)},
+		{"egress-rule", isolate(nil, rules(rule(dst.String(), tcpPort(80))))},
+	} {
+		prev.program(b, pol.set)
+		h.apply(b, pol.set)
+		var base float64
+		for _, build := range []struct {
+			name string
+			prog *ebpf.Program
+			any  bool
+		}{{"previous", prev.egress, false}, {"this", h.id.Egress, false}, {"this-any", h.id.Egress, true}} {
+			b.Run(pol.name+"/"+build.name, func(b *testing.B) {
+				h.flushCT(b)
+				prev.flush(b)
+				if err := h.id.SetSources(testIfindex, Sources{Addrs: []netip.Addr{ip(pod4), ip(pod6)}, Any: build.any}); err != nil {
+					b.Fatal(err)
+				}
+				runs := make([]float64, b.N)
+				for i := range b.N {
+					ret, d, err := build.prog.Benchmark(frame(i), 1, nil)
+					if err != nil || ret != VerdictAllow {
+						b.Fatalf("packet %d: verdict %#x, err %v", i, ret, err)
+					}
+					runs[i] = float64(d.Nanoseconds())
+				}
+				ns := median(runs)
+				if build.name == "previous" {
+					base = ns
+				}
+				b.ReportMetric(ns, "ns/op")
+				if base > 0 {
+					b.ReportMetric(ns/base, "x-previous")
+				}
+			})
+		}
+	}
+}
+
+// previousBuild is the previous build's egress program with its own,
+// unpinned maps.
+type previousBuild struct {
+	coll   *ebpf.Collection
+	egress *ebpf.Program
+}
+
+func previousEgress(b *testing.B) *previousBuild {
+	b.Helper()
+	obj, err := exec.Command("git", "show", previousObject+":bpf/podfence_bpfel.o").Output()
+	if err != nil {
+		b.Skipf("the previous build's object is not in this clone's history: %v", err)
+	}
+	cs, err := ebpf.LoadCollectionSpecFromReader(bytes.NewReader(obj))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, ms := range cs.Maps {
+		ms.Pinning = ebpf.PinNone
+	}
+	if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
+		if err := cs.Variables["coarse_clock"].Set(uint32(1)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	coll, err := ebpf.NewCollection(cs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { coll.Close() })
+	return &previousBuild{coll: coll, egress: coll.Programs[progEgress]}
+}
+
+// program writes what set says of egress into the previous build's maps,
+// in its layout (which the state, trie keys and values share with this one).
+func (p *previousBuild) program(b *testing.B, set policy.Set) {
+	b.Helper()
+	st := podfenceIdState{}
+	if set.Egress.Isolated {
+		st.Isolated = 1 << policy.Egress
+	}
+	if err := p.coll.Maps[mapState].Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
+		b.Fatal(err)
+	}
+	for _, r := range set.Egress.Rules {
+		k := podfenceLpmKeyV4{Prefixlen: uint32(r.CIDR.Bits()), Addr: r.CIDR.Addr().As4()}
+		v := podfencePolicyValue{Count: 1}
+		v.Ranges[0] = podfencePortRange{Proto: uint8(r.Ports[0].Protocol), First: r.Ports[0].First, Last: r.Ports[0].Last}
+		if err := p.coll.Maps[pinpath.MapPolEgV4].Update(&k, &v, ebpf.UpdateAny); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func (p *previousBuild) flush(b *testing.B) {
+	b.Helper()
+	m := p.coll.Maps[mapCTv4]
+	var keys []podfenceCtKeyV4
+	var k podfenceCtKeyV4
+	var v podfenceCtValue
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		keys = append(keys, k)
+	}
+	for _, k := range keys {
+		_ = m.Delete(&k)
 	}
 }

@@ -60,6 +60,14 @@ echo "$out" | awk '/^BenchmarkDenyFlood/ {
 	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
 	printf "  denied packet: %s ns with its event, %s ns without; events at the kernel limit cost %s%% of a CPU\n", v["event-ns"], v["no-event-ns"], v["event-cpu-%"]
 }'
+echo
+echo "the source check on a pod's new flow, beside the build before it (BenchmarkSourceCheck, median single run)"
+out=$(cd bpf && taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkSourceCheck' -test.benchtime 50000x)
+echo "$out" | awk '/^BenchmarkSourceCheck/ {
+	name=$1; sub(/^BenchmarkSourceCheck\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  %-24s %6s ns  x previous build %s\n", name, v["ns/op"], v["x-previous"]
+}'
 rm -f /tmp/podfence-bpf.test
 
 # The CNI plugin: latency of the podfence binary's own ADD and DEL (a
