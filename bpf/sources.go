@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 
 	"github.com/cilium/ebpf"
 
@@ -90,6 +91,33 @@ func readSources(m *ebpf.Map) (map[uint32]Sources, error) {
 		out[k] = decodeSources(v)
 	}
 	return out, nil
+}
+
+// LookupSources reads the sources entry of host veth ifindex in the
+// identifier whose pins are in dir; ok is false when there is none.
+func LookupSources(dir string, ifindex uint32) (s Sources, ok bool, err error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, pinpath.MapSources), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return Sources{}, false, nil
+	}
+	if err != nil {
+		return Sources{}, false, fmt.Errorf("open the sources of %s: %w", dir, err)
+	}
+	defer m.Close()
+	var v podfencePodSources
+	err = m.Lookup(ifindex, &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return Sources{}, false, nil
+	}
+	if err != nil {
+		return Sources{}, false, fmt.Errorf("read the sources of veth ifindex %d in %s: %w", ifindex, dir, err)
+	}
+	return decodeSources(v), true, nil
+}
+
+// Equal reports whether s and o allow the same sources.
+func (s Sources) Equal(o Sources) bool {
+	return s.Any == o.Any && slices.Equal(s.Addrs, o.Addrs)
 }
 
 // DeleteSources removes the sources entry of host veth ifindex from the

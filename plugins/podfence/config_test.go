@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"testing"
 
@@ -241,4 +242,59 @@ func assertCNIError(t *testing.T, err error, code uint, msgs ...string) {
 			t.Errorf("message %q does not contain %q", e.Msg, m)
 		}
 	}
+}
+
+// sourceCheck defaults to on; false turns it off; anything else is a
+// config error. A prevResult the check cannot work with is refused while
+// it is on.
+func TestSourceCheckSetting(t *testing.T) {
+	for _, c := range []struct {
+		extra []string
+		want  bool
+	}{{nil, true}, {[]string{`"sourceCheck": true`}, true}, {[]string{`"sourceCheck": false`}, false}} {
+		conf, err := parseConfig(withPrev(c.extra...), true)
+		if err != nil || conf.sourceCheck() != c.want {
+			t.Errorf("%v: sourceCheck %v, %v; want %v", c.extra, conf.sourceCheck(), err, c.want)
+		}
+	}
+	if _, err := parseConfig(withPrev(`"sourceCheck": "no"`), true); err == nil {
+		t.Error(`sourceCheck "no" accepted`)
+	}
+
+	noIPs := &current.Result{CNIVersion: "1.0.0"}
+	nine := &current.Result{CNIVersion: "1.0.0"}
+	for i := range 9 {
+		nine.IPs = append(nine.IPs, &current.IPConfig{Address: *mustIPNet(t, fmt.Sprintf("10.88.0.%d/24", i+1))})
+	}
+	for _, c := range []struct {
+		name  string
+		check bool
+		prev  *current.Result
+		want  string
+	}{
+		{"no address, check on", true, noIPs, "no address"},
+		{"no address, check off", false, noIPs, ""},
+		{"nine addresses", true, nine, "at most 8"},
+		{"nine addresses, check off", false, nine, "at most 8"},
+	} {
+		conf := &PluginConf{SourceCheck: &c.check}
+		err := checkSources(conf, c.prev)
+		var cniErr *types.Error
+		switch {
+		case c.want == "" && err != nil:
+			t.Errorf("%s: %v", c.name, err)
+		case c.want != "" && (!errors.As(err, &cniErr) || cniErr.Code != types.ErrInvalidNetworkConfig || !strings.Contains(err.Error(), c.want)):
+			t.Errorf("%s: %v, want error 7 with %q", c.name, err, c.want)
+		}
+	}
+}
+
+func mustIPNet(t *testing.T, s string) *net.IPNet {
+	t.Helper()
+	ip, n, err := net.ParseCIDR(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.IP = ip
+	return n
 }

@@ -345,7 +345,15 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 			return types.NewError(errAttach, fmt.Sprintf("veth %s lacks the %s program of %s (id %d) on its %s hook", m.HostVeth, c.what, id, c.want, c.hook), "")
 		}
 	}
-	call.action = "both programs attached"
+	want := bpf.Sources{Addrs: m.Sources(), Any: m.AnySource}
+	got, ok, err := bpf.LookupSources(lock.Dir(), uint32(m.HostIfindex))
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	if !ok || !got.Equal(want) {
+		return types.NewError(errDatapath, fmt.Sprintf("veth %s: the pod may send from %+v, its record says %+v (a later ADD or upgrade writes it)", m.HostVeth, got, want), "")
+	}
+	call.action = "both programs attached, sources recorded"
 	return nil
 }
 

@@ -728,8 +728,9 @@ func TestGCThroughLibcni(t *testing.T) {
 }
 
 // TestCheck: CHECK passes on a healthy pod and fails, saying what is
-// wrong, when its record is gone or a program was detached from its veth
-// behind podfence's back; DEL still cleans up after each.
+// wrong, when its record or its sources entry is gone or a program was
+// detached from its veth behind podfence's back; DEL still cleans up after
+// each.
 func TestCheck(t *testing.T) {
 	for _, mode := range attachModes(t) {
 		t.Run(mode, func(t *testing.T) {
@@ -774,6 +775,16 @@ func TestCheck(t *testing.T) {
 			}
 			if err := check(a); err != nil {
 				t.Fatalf("CHECK with the record back: %v", err)
+			}
+
+			// a's sources entry is gone: its new flows would be dropped.
+			if err := bpf.DeleteSources(c.identifierDir(webID), uint32(lcIfindex(t, c, a.hostVeth))); err != nil {
+				t.Fatal(err)
+			}
+			lcWantCNIError(t, check(a), 102, a.hostVeth, "may send from")
+			c.setSources(t, webID, a)
+			if err := check(a); err != nil {
+				t.Fatalf("CHECK with the sources entry back: %v", err)
 			}
 
 			// The identifier is gone altogether.

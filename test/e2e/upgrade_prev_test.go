@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
@@ -196,4 +198,28 @@ func readSources(t *testing.T, c *cluster, id podid.ID) map[uint32]bpf.Sources {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// setSources writes p's sources entry as its ADD did, under the
+// identifier's lock.
+func (c *cluster) setSources(t *testing.T, id podid.ID, p *pod) {
+	t.Helper()
+	lock, err := membership.New(c.pinRoot).Lock(id, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Unlock()
+	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{KeepLayout: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	if err := ident.SetSources(uint32(lcIfindex(t, c, p.hostVeth)), bpf.Sources{Addrs: []netip.Addr{p.ip}}); err != nil {
+		t.Fatal(err)
+	}
 }
