@@ -40,8 +40,8 @@ func TestTrace(t *testing.T) {
 		t.Fatalf("trace --count 1 printed %s (%v), want an event of %s", lines[0], err, webID)
 	}
 
-	// The intruder's attempt among what follows (the pods' own IPv6
-	// multicast listener reports are denied too, at any moment).
+	// The intruder's attempt among what follows (other packets a pod
+	// sends unasked may be denied too, at any moment).
 	c.connects(intruder, web, backendPort)
 	out, err = c.sweeper(t, "trace", "--json", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--duration", "1s")
 	if err != nil {
@@ -81,7 +81,7 @@ func TestTrace(t *testing.T) {
 	}
 
 	// The human form, of a new attempt (the other run read what was
-	// left; the pods' own multicast listener reports are denied too).
+	// left).
 	c.connects(intruder, web, backendPort)
 	out, err = c.sweeper(t, "trace", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--duration", "1s")
 	if err != nil {

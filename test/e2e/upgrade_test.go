@@ -159,8 +159,7 @@ func testUpgrade(t *testing.T, mode, next string) {
 	}
 
 	// The backend dropped none of its TCP replies: its egress allows only
-	// tracked flows. (Its own IPv6 multicast listener reports it drops, as
-	// it should.) Its ingress dropped the stranger.
+	// tracked flows. Its ingress dropped the stranger.
 	evs := denials.stop(t)
 	info, err := bpf.InspectIdentifier(c.pinRoot, webID)
 	if err != nil {
