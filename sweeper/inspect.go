@@ -41,6 +41,11 @@ type identifierView struct {
 	// Generation is then the last good policy's.
 	PolicyError      string     `json:"policy_error,omitempty"`
 	PolicyErrorSince *time.Time `json:"policy_error_since,omitempty"`
+	// PolicyProblems are, node-wide, what the policy directory's documents
+	// say that podfence does not enforce as written: documents that do
+	// not parse and what is enforced instead, rules left out (allowing
+	// nothing), fields ignored.
+	PolicyProblems []string `json:"policy_problems,omitempty"`
 }
 
 type memberView struct {
@@ -68,21 +73,35 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	ps, invalid, err := sweep.ReadPolicyStatus(c.pinRoot)
+	ps, recorded, err := sweep.ReadPolicyStatus(c.pinRoot)
 	if err != nil {
 		return err
 	}
-	if invalid {
+	problems := ps.Problems
+	if ps.More > 0 {
+		problems = append(problems, fmt.Sprintf("... and %d more", ps.More))
+	}
+	if recorded {
 		for i := range views {
-			views[i].PolicyError, views[i].PolicyErrorSince = ps.Error, &ps.Since
+			if ps.Error != "" {
+				views[i].PolicyError, views[i].PolicyErrorSince = ps.Error, &ps.Since
+			}
+			views[i].PolicyProblems = problems
 		}
 	}
 	if c.json {
 		return writeJSON(stdout, views)
 	}
-	if invalid {
+	if ps.Error != "" {
 		fmt.Fprintf(stdout, "policy directory refused since %s (every identifier keeps its last good policy): %s\n\n",
 			ps.Since.Local().Format(time.RFC3339), ps.Error)
+	}
+	if len(problems) > 0 {
+		fmt.Fprintf(stdout, "policy not enforced as written (since %s):\n", ps.Since.Local().Format(time.RFC3339))
+		for _, p := range problems {
+			fmt.Fprintf(stdout, "  %s\n", p)
+		}
+		fmt.Fprintln(stdout)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "IDENTIFIER\tGEN\tMODE\tISOLATED\tALLOWED\tDENIED\tCONTAINER\tVETH\tIFINDEX\tATTACH\tPROGRAMS\tIPS")
@@ -427,13 +446,19 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return err
 	}
-	n, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
+	a, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
 	if err != nil {
 		return err
 	}
-	if c.json {
-		return writeJSON(stdout, map[string]int{"identifiers": n})
+	if a.KeepErr != nil {
+		fmt.Fprintf(stderr, "last good versions not recorded: %v\n", a.KeepErr)
 	}
-	fmt.Fprintf(stdout, "programmed %d identifiers with %s\n", n, *policyDir)
+	if c.json {
+		return writeJSON(stdout, map[string]any{"identifiers": a.Identifiers, "problems": a.Problems})
+	}
+	fmt.Fprintf(stdout, "programmed %d identifiers with %s\n", a.Identifiers, *policyDir)
+	for _, p := range a.Problems {
+		fmt.Fprintf(stdout, "  not enforced as written: %s\n", p)
+	}
 	return nil
 }

@@ -25,6 +25,9 @@ type metrics struct {
 	policyApplies prometheus.Counter
 	policyErrors  prometheus.Counter
 	policyValid   prometheus.Gauge
+	// documentsInvalid and rulesNotEnforced: what the last load found.
+	documentsInvalid prometheus.Gauge
+	rulesNotEnforced prometheus.Gauge
 	mirrorSynced  prometheus.Gauge
 	mirrorObjects prometheus.Gauge
 	mirrorInvalid prometheus.Gauge
@@ -61,7 +64,11 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 		policyErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "podfence_policy_errors_total", Help: "Times the policy directory did not load, or an identifier could not be programmed."}),
 		policyValid: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "podfence_policy_valid", Help: "1 when the policy directory loaded at the last change, 0 when identifiers keep their last good policy."}),
+			Name: "podfence_policy_valid", Help: "1 when the policy directory could be read at the last change, 0 when identifiers keep their last good policy."}),
+		documentsInvalid: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policy_documents_invalid", Help: "Policy documents that do not parse, at the last load: each enforces its last good version, or its isolation alone, or nothing (ls names them)."}),
+		rulesNotEnforced: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_policy_rules_not_enforced", Help: "Rules left out at the last load (a domainName, a field podfence does not know inside a rule): each allows nothing (ls names them)."}),
 		mirrorSynced: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policy_source_synced", Help: "With --policy-source=kubernetes: 1 once the first full sync with the API is in the policy directory."}),
 		mirrorObjects: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -75,6 +82,7 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 	}
 	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
 		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
+		m.documentsInvalid, m.rulesNotEnforced,
 		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorWrites, m.mirrorErrors,
 		&packetCollector{pinRoot: pinRoot})
 	// Every reason appears from the start, at 0.

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"os/signal"
 	"sync"
 	"sync/atomic"
@@ -123,6 +124,10 @@ type runner struct {
 	pinRoot   string
 	policyDir string
 	mirror    *policymirror.Mirror // nil with --policy-source=files
+	// problems and keepErr are what the last policy load reported, logged
+	// again only when they change.
+	problems []string
+	keepErr  error
 	interval  sweep.Interval
 	healthy   atomic.Bool
 	wake      chan struct{} // a full pass is wanted now (lost events)
@@ -283,11 +288,14 @@ func (r *runner) logPass(rep sweep.Report) {
 }
 
 // applyPolicies programs every identifier with what the policy directory
-// says. An invalid directory changes nothing; the refusal is logged and
-// counted (ReapplyPolicies records it for ls).
+// says. A directory that cannot be read changes nothing; the refusal is
+// logged and counted (ReapplyPolicies records it for ls). What documents
+// say that is not enforced as written is logged when it changes, and
+// counted.
 func (r *runner) applyPolicies(why string) {
 	start := time.Now()
-	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	n := a.Identifiers
 	if errors.Is(err, policy.ErrUnsynced) {
 		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why)
 		return
@@ -300,6 +308,18 @@ func (r *runner) applyPolicies(why string) {
 	}
 	r.m.policyValid.Set(1)
 	r.m.policyApplies.Inc()
+	r.m.documentsInvalid.Set(float64(a.Broken))
+	r.m.rulesNotEnforced.Set(float64(a.NotEnforced))
+	if !slices.Equal(a.Problems, r.problems) {
+		for _, p := range a.Problems {
+			r.log.Warn("policy not enforced as written", "problem", p)
+		}
+		r.problems = a.Problems
+	}
+	if a.KeepErr != nil && (r.keepErr == nil || a.KeepErr.Error() != r.keepErr.Error()) {
+		r.log.Warn("last good versions of the policy files not recorded: a document that breaks then isolates its pods instead", "error", a.KeepErr)
+	}
+	r.keepErr = a.KeepErr
 	if err != nil {
 		r.m.policyErrors.Inc()
 		r.log.Error("program identifiers with the policy", "why", why, "identifiers_programmed", n, "error", err)
@@ -324,8 +344,8 @@ func (r *runner) syncNodeAddrs() {
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
 	}
-	n, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
-	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", n)
+	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)
 	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)
 	}

@@ -97,7 +97,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	}
 	docs, err := policy.LoadDir(*policyDir)
 	if err != nil {
-		fmt.Fprintf(stderr, "the policy directory does not load (%v): the verdict is the datapath's, no rule can be named\n", err)
+		fmt.Fprintf(stderr, "the policy directory cannot be read (%v): the verdict is the datapath's, no rule can be named\n", err)
 	}
 	res := whyResult{Identifier: q.id, Container: member.ContainerID, Direction: q.dir.String(),
 		Protocol: policy.Protocol(q.proto).String(),
@@ -142,6 +142,9 @@ func printWhy(w io.Writer, r whyResult) {
 		for _, ref := range e.Near {
 			fmt.Fprintf(w, "  near: %s\n", describeRule(ref))
 		}
+	}
+	for _, p := range e.NotAsWritten {
+		fmt.Fprintf(w, "  not enforced as written: %s\n", p)
 	}
 }
 

@@ -93,6 +93,86 @@ type Document struct {
 	IsolateIngress  bool
 	IsolateEgress   bool
 	Ingress, Egress []Rule
+
+	// Notes are what the document says that podfence does not enforce as
+	// written: rules it cannot enforce (a domainName, a field it does not
+	// know inside a rule), which are left out and so allow nothing, and
+	// fields it does not know elsewhere, which are ignored. Never more
+	// open than the document: its isolation and every other rule apply.
+	Notes []Note
+	// Broken is why the document does not parse, or nil. A broken
+	// document enforces what Fallback says instead.
+	Broken   error
+	Fallback Fallback
+}
+
+// Note is one thing of a document that podfence does not enforce.
+type Note struct {
+	Field string `json:"field"` // "spec.egress[0]"
+	What  string `json:"what"`  // what podfence does with it, and why
+	// Rule is true for a rule left out (it allows nothing), false for a
+	// field that is ignored.
+	Rule bool `json:"rule"`
+}
+
+// Fallback is what a document that does not parse enforces.
+type Fallback uint8
+
+const (
+	// FallbackNone: the document parsed.
+	FallbackNone Fallback = iota
+	// FallbackLastGood: the last version of it that parsed (LoadDir keeps
+	// one per file, see Dir.KeepLastGood), so that a typo in an update
+	// does not cut live pods off.
+	FallbackLastGood
+	// FallbackIsolation: no earlier version; its selection and isolation
+	// parsed, and apply with no rule: the pods it names are closed in the
+	// directions it names.
+	FallbackIsolation
+	// FallbackNothing: not even those parsed; it changes nothing.
+	FallbackNothing
+)
+
+func (f Fallback) String() string {
+	switch f {
+	case FallbackNone:
+		return "enforced"
+	case FallbackLastGood:
+		return "its last good version is enforced"
+	case FallbackIsolation:
+		return "it isolates the pods it names in the directions it names, allowing nothing"
+	case FallbackNothing:
+		return "it changes nothing (not even the pods it selects could be read)"
+	}
+	return fmt.Sprintf("fallback(%d)", uint8(f))
+}
+
+// Report lists, one line each, what podfence does not enforce of d as
+// written, for logs and ls: empty for a document enforced as written.
+func (d Document) Report() []string {
+	who := d.Source
+	if d.Name != "" {
+		who += " (" + d.Namespace + "/" + d.Name + ")"
+	}
+	var out []string
+	if d.Broken != nil {
+		out = append(out, fmt.Sprintf("%s: does not parse: %v; %s", who, d.Broken, d.Fallback))
+	}
+	for _, n := range d.Notes {
+		out = append(out, fmt.Sprintf("%s: %s: %s", who, n.Field, n.What))
+	}
+	return out
+}
+
+// NotEnforcedRules counts the rules of d left out, and so allowing nothing.
+func (d Document) NotEnforcedRules() int {
+	n := 0
+	for _, note := range d.Notes {
+		if note.Rule {
+			n++
+		}
+	}
+	return n
 }
 
 // ParseFile parses every document of the file at path; see Parse.
@@ -114,19 +194,49 @@ func IsDocumentFile(name string) bool {
 }
 
 // LoadDir parses every *.yaml, *.yml and *.json file directly in dir, in name
-// order. Hidden files are skipped, and so is anything that is not a regular
-// file after following symlinks (a ConfigMap volume links its keys through
-// "..data"). A missing dir holds no documents. Any file that fails fails the
-// whole load, so that a half-read policy is never enforced.
+// order; see ReadDir. The error is for reading the directory or a file.
 func LoadDir(dir string) ([]Document, error) {
+	d, err := ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	return d.Documents(), nil
+}
+
+// Dir is what a policy directory held when ReadDir read it.
+type Dir struct {
+	Path  string
+	Files []File
+}
+
+// File is one document file of a Dir: its content and documents.
+type File struct {
+	Name string
+	Data []byte
+	Docs []Document
+}
+
+// lastGoodDir keeps, below the policy directory, a copy of each document
+// file as it was when it last parsed whole. The name is hidden, so
+// LoadDir and the directory watcher skip it.
+const lastGoodDir = ".podfence-last-good"
+
+// ReadDir reads every document file directly in dir, in name order.
+// Hidden files are skipped, and so is anything that is not a regular file
+// after following symlinks (a ConfigMap volume links its keys through
+// "..data"). A missing dir holds no documents. A document that does not
+// parse is replaced by its last good version when KeepLastGood recorded
+// one (the same metadata namespace and name, or for a document without
+// them the same index, in the same file), else by what Parse salvaged of it.
+func ReadDir(dir string) (*Dir, error) {
+	d := &Dir{Path: dir}
 	entries, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
+		return d, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read policy dir: %w", err)
 	}
-	var docs []Document
 	for _, e := range entries {
 		name := e.Name()
 		if !IsDocumentFile(name) {
@@ -140,35 +250,198 @@ func LoadDir(dir string) ([]Document, error) {
 		if !fi.Mode().IsRegular() {
 			continue
 		}
-		d, err := ParseFile(path)
+		data, err := os.ReadFile(path)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("read policy file: %w", err)
 		}
-		docs = append(docs, d...)
+		docs := parseData(data, path)
+		if Strict(docs) != nil {
+			docs = withLastGood(docs, filepath.Join(dir, lastGoodDir, name))
+		}
+		d.Files = append(d.Files, File{Name: name, Data: data, Docs: docs})
 	}
-	return docs, nil
+	return d, nil
+}
+
+// Documents are the documents of every file, in order.
+func (d *Dir) Documents() []Document {
+	var out []Document
+	for _, f := range d.Files {
+		out = append(out, f.Docs...)
+	}
+	return out
+}
+
+// withLastGood puts in place of each broken document of docs its version
+// in the last good copy of its file (path), where it has one.
+func withLastGood(docs []Document, path string) []Document {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return docs // none recorded (or unreadable): the salvage stands
+	}
+	good := parseData(data, path)
+	out := make([]Document, len(docs))
+	for i, d := range docs {
+		out[i] = d
+		if d.Broken == nil {
+			continue
+		}
+		for _, g := range good {
+			if d.Name != "" && (g.Name != d.Name || g.Namespace != d.Namespace) ||
+				d.Name == "" && index(g.Source) != index(d.Source) {
+				continue
+			}
+			if g.Broken == nil {
+				g.Broken, g.Fallback = d.Broken, FallbackLastGood
+				g.Source = d.Source
+				out[i] = g
+			}
+			break
+		}
+	}
+	return out
+}
+
+// index is the document index of a Source ("path#3").
+func index(source string) string {
+	_, i, _ := strings.Cut(source[strings.LastIndexByte(source, '/')+1:], "#")
+	return i
+}
+
+// KeepLastGood records, below the directory, each file that parsed whole
+// as the last good version of its documents, and forgets the files that are
+// gone. Only what ReadDir read is recorded, never what a file holds now.
+// The sweeper calls it after each load it programs; a directory it cannot
+// write (a read-only volume) has no last good versions, which is an error
+// here and a message for the caller's log.
+func (d *Dir) KeepLastGood() error {
+	keep := filepath.Join(d.Path, lastGoodDir)
+	present := map[string]bool{}
+	var errs []error
+	for _, f := range d.Files {
+		present[f.Name] = true
+		if Strict(f.Docs) != nil {
+			continue // its recorded version stays the last good one
+		}
+		path := filepath.Join(keep, f.Name)
+		if old, err := os.ReadFile(path); err == nil && bytes.Equal(old, f.Data) {
+			continue
+		}
+		if err := os.MkdirAll(keep, 0o755); err != nil {
+			return fmt.Errorf("keep the last good policy: %w", err)
+		}
+		tmp, err := os.CreateTemp(keep, ".tmp-")
+		if err == nil {
+			_, err = tmp.Write(f.Data)
+			if cerr := tmp.Close(); err == nil {
+				err = cerr
+			}
+			if err == nil {
+				err = os.Rename(tmp.Name(), path)
+			}
+			if err != nil {
+				os.Remove(tmp.Name())
+			}
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("keep the last good version of %s: %w", f.Name, err))
+		}
+	}
+	entries, err := os.ReadDir(keep)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return errors.Join(append(errs, fmt.Errorf("keep the last good policy: %w", err))...)
+	}
+	for _, e := range entries {
+		if !present[e.Name()] {
+			if err := os.Remove(filepath.Join(keep, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Parse reads PolicyEndpoint documents separated by "---" lines. JSON is
 // YAML, so a JSON file holding one object parses too. Empty documents (only
 // comments or whitespace) are skipped but still count in the index that
 // Document.Source and error messages carry. source names the input in those.
+//
+// A document that does not parse is returned all the same, with Broken
+// set and what could be salvaged of it (Fallback): one bad document
+// affects only the pods it selects. The error is for reading r only.
 func Parse(r io.Reader, source string) ([]Document, error) {
 	data, err := io.ReadAll(r)
 	if err != nil {
 		return nil, fmt.Errorf("read policy file %s: %w", source, err)
 	}
+	return parseData(data, source), nil
+}
+
+func parseData(data []byte, source string) []Document {
 	var docs []Document
 	for i, chunk := range splitDocuments(data) {
-		doc, ok, err := parseDocument(chunk, fmt.Sprintf("%s#%d", source, i))
+		src := fmt.Sprintf("%s#%d", source, i)
+		doc, ok, err := parseDocument(chunk, src)
 		if err != nil {
-			return nil, err
+			doc, ok = salvage(chunk, src, err), true
 		}
 		if ok {
 			docs = append(docs, doc)
 		}
 	}
-	return docs, nil
+	return docs
+}
+
+// Strict is the first document's Broken error, or nil: for callers that
+// accept only documents that parse whole (the mirror's check of an object,
+// tests).
+func Strict(docs []Document) error {
+	for _, d := range docs {
+		if d.Broken != nil {
+			return d.Broken
+		}
+	}
+	return nil
+}
+
+// salvage makes what it can of a document that does not parse (err): a
+// PolicyEndpoint whose selection and isolation parse on their own keeps
+// them, with no rule; anything else changes nothing. LoadDir may put its
+// last good version in its place.
+func salvage(chunk []byte, src string, err error) Document {
+	doc := Document{Source: src, Broken: err, Fallback: FallbackNothing}
+	j, jerr := yaml.YAMLToJSON(chunk) // duplicate keys are the error already reported
+	if jerr != nil {
+		return doc
+	}
+	top, terr := newObject(src, "", j)
+	if terr != nil {
+		return doc
+	}
+	if raw, ok := top.raw("metadata"); ok {
+		if meta, err := newObject(src, "metadata", raw); err == nil {
+			doc.Name, _ = meta.str("name", false)
+			doc.Namespace, _ = meta.str("namespace", false)
+		}
+	}
+	if k, _ := top.str("kind", true); k != kind {
+		return doc
+	}
+	raw, ok := top.raw("spec")
+	if !ok {
+		return doc
+	}
+	spec, serr := newObject(src, "spec", raw)
+	if serr != nil {
+		return doc
+	}
+	part := Document{Source: src}
+	if part.parseIsolation(spec) != nil || part.parseSelects(spec) != nil {
+		return doc
+	}
+	doc.Selects, doc.IsolateIngress, doc.IsolateEgress = part.Selects, part.IsolateIngress, part.IsolateEgress
+	doc.Fallback = FallbackIsolation
+	return doc
 }
 
 // splitDocuments splits a YAML stream at document markers: lines that are
@@ -223,7 +496,7 @@ func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
 	if string(j) == "null" {
 		return Document{}, false, nil
 	}
-	top, err := newObject(src, "", j, nil)
+	top, err := newObject(src, "", j)
 	if err != nil {
 		return Document{}, false, err
 	}
@@ -239,7 +512,7 @@ func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
 		}
 	}
 	if raw, ok := top.raw("metadata"); ok {
-		meta, err := newObject(src, "metadata", raw, nil)
+		meta, err := newObject(src, "metadata", raw)
 		if err != nil {
 			return Document{}, false, err
 		}
@@ -260,14 +533,52 @@ func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
 	return doc, true, nil
 }
 
-// parseSpec fills doc from spec. podSelector and policyRef describe where the
-// controller got the document from and are accepted without being read.
+// specFields are the fields of spec that podfence knows. podSelector and
+// policyRef describe where the controller got the document from and are
+// accepted without being read.
+var specFields = []string{"podIsolation", "podSelectorEndpoints", "ingress", "egress", "podSelector", "policyRef"}
+
+// endpointFields, ruleFields and portFields are the fields of a
+// podSelectorEndpoints entry, a rule, and a rule's port.
+var (
+	endpointFields = []string{"name", "namespace", "podIP", "hostIP"}
+	ruleFields     = []string{"cidr", "except", "ports"}
+	portFields     = []string{"protocol", "port", "endPort"}
+	// notEnforcedRuleFields make a rule that podfence does not enforce
+	// (it allows nothing); the controller writes a domainName from
+	// ApplicationNetworkPolicy and ClusterNetworkPolicy objects.
+	notEnforcedRuleFields = []string{"domainName"}
+)
+
+// parseSpec fills doc from spec. A field podfence does not know is
+// noted and ignored; inside a rule, it leaves the rule out (see parseRules).
 func (doc *Document) parseSpec(raw json.RawMessage) error {
-	spec, err := newObject(doc.Source, "spec", raw,
-		[]string{"podIsolation", "podSelectorEndpoints", "ingress", "egress", "podSelector", "policyRef"})
+	spec, err := newObject(doc.Source, "spec", raw)
 	if err != nil {
 		return err
 	}
+	doc.ignoreUnknown(spec, specFields)
+	if err := doc.parseIsolation(spec); err != nil {
+		return err
+	}
+	if err := doc.parseSelects(spec); err != nil {
+		return err
+	}
+	if doc.Ingress, err = doc.parseRules(spec, "ingress"); err != nil {
+		return err
+	}
+	doc.Egress, err = doc.parseRules(spec, "egress")
+	return err
+}
+
+// ignoreUnknown notes every field of o that is not in known as ignored.
+func (doc *Document) ignoreUnknown(o object, known []string) {
+	for _, k := range o.unknown(known) {
+		doc.Notes = append(doc.Notes, Note{Field: o.field(k), What: "unknown field, ignored (known: " + strings.Join(known, ", ") + ")"})
+	}
+}
+
+func (doc *Document) parseIsolation(spec object) error {
 	isolation, err := spec.list("podIsolation")
 	if err != nil {
 		return err
@@ -287,16 +598,20 @@ func (doc *Document) parseSpec(raw json.RawMessage) error {
 			return invalid(doc.Source, field, "%q is not Ingress or Egress", s)
 		}
 	}
+	return nil
+}
+
+func (doc *Document) parseSelects(spec object) error {
 	endpoints, err := spec.list("podSelectorEndpoints")
 	if err != nil {
 		return err
 	}
 	for i, raw := range endpoints {
-		ep, err := newObject(doc.Source, fmt.Sprintf("spec.podSelectorEndpoints[%d]", i), raw,
-			[]string{"name", "namespace", "podIP", "hostIP"})
+		ep, err := newObject(doc.Source, fmt.Sprintf("spec.podSelectorEndpoints[%d]", i), raw)
 		if err != nil {
 			return err
 		}
+		doc.ignoreUnknown(ep, endpointFields)
 		var e Endpoint
 		if e.Name, err = ep.str("name", true); err != nil {
 			return err
@@ -306,83 +621,104 @@ func (doc *Document) parseSpec(raw json.RawMessage) error {
 		}
 		doc.Selects = append(doc.Selects, e)
 	}
-	if doc.Ingress, err = parseRules(spec, "ingress"); err != nil {
-		return err
-	}
-	doc.Egress, err = parseRules(spec, "egress")
-	return err
+	return nil
 }
 
-func parseRules(spec object, key string) ([]Rule, error) {
+// parseRules parses the rules of spec's key. A rule that podfence cannot
+// enforce as written, one with a domainName or a field (its own or a
+// port's) that podfence does not know, is left out, so that it allows
+// nothing, and noted; its values must still parse.
+func (doc *Document) parseRules(spec object, key string) ([]Rule, error) {
 	list, err := spec.list(key)
 	if err != nil {
 		return nil, err
 	}
 	var rules []Rule
 	for i, raw := range list {
-		o, err := newObject(spec.src, fmt.Sprintf("spec.%s[%d]", key, i), raw, []string{"cidr", "except", "ports"})
+		o, err := newObject(spec.src, fmt.Sprintf("spec.%s[%d]", key, i), raw)
 		if err != nil {
 			return nil, err
 		}
-		r, err := parseRule(o)
+		if _, ok := o.raw(notEnforcedRuleFields[0]); ok {
+			name, err := o.str(notEnforcedRuleFields[0], true)
+			if err != nil {
+				return nil, err
+			}
+			doc.Notes = append(doc.Notes, Note{Field: o.path, Rule: true,
+				What: fmt.Sprintf("domainName %q is not enforced: the rule allows nothing", name)})
+			continue
+		}
+		r, unknown, err := parseRule(o)
 		if err != nil {
 			return nil, err
+		}
+		if len(unknown) > 0 {
+			doc.Notes = append(doc.Notes, Note{Field: o.path, Rule: true,
+				What: fmt.Sprintf("unknown field %s: the rule is not enforced and allows nothing", strings.Join(unknown, ", "))})
+			continue
 		}
 		rules = append(rules, r)
 	}
 	return rules, nil
 }
 
-func parseRule(o object) (Rule, error) {
-	var r Rule
+// parseRule parses one rule; unknown names the fields in it (and in its
+// ports) that podfence does not know.
+func parseRule(o object) (r Rule, unknown []string, err error) {
+	for _, k := range o.unknown(ruleFields) {
+		unknown = append(unknown, o.field(k))
+	}
 	s, err := o.str("cidr", true)
 	if err != nil {
-		return r, err
+		return r, nil, err
 	}
 	if r.CIDR, err = parsePrefix(o.src, o.field("cidr"), s); err != nil {
-		return r, err
+		return r, nil, err
 	}
 	except, err := o.list("except")
 	if err != nil {
-		return r, err
+		return r, nil, err
 	}
 	for i, raw := range except {
 		field := fmt.Sprintf("%s[%d]", o.field("except"), i)
 		s, err := str(o.src, field, raw)
 		if err != nil {
-			return r, err
+			return r, nil, err
 		}
 		e, err := parsePrefix(o.src, field, s)
 		if err != nil {
-			return r, err
+			return r, nil, err
 		}
 		switch {
 		case e.Addr().Is4() != r.CIDR.Addr().Is4():
-			return r, invalid(o.src, field, "%s is not of the address family of cidr %s", e, r.CIDR)
+			return r, nil, invalid(o.src, field, "%s is not of the address family of cidr %s", e, r.CIDR)
 		case e.Bits() < r.CIDR.Bits() || !r.CIDR.Contains(e.Addr()):
-			return r, invalid(o.src, field, "%s is not inside cidr %s", e, r.CIDR)
+			return r, nil, invalid(o.src, field, "%s is not inside cidr %s", e, r.CIDR)
 		}
 		r.Except = append(r.Except, e)
 	}
 	ports, err := o.list("ports")
 	if err != nil {
-		return r, err
+		return r, nil, err
 	}
 	for i, raw := range ports {
-		p, err := newObject(o.src, fmt.Sprintf("%s[%d]", o.field("ports"), i), raw, []string{"protocol", "port", "endPort"})
+		p, err := newObject(o.src, fmt.Sprintf("%s[%d]", o.field("ports"), i), raw)
 		if err != nil {
-			return r, err
+			return r, nil, err
+		}
+		for _, k := range p.unknown(portFields) {
+			unknown = append(unknown, p.field(k))
 		}
 		pr, err := parsePort(p)
 		if err != nil {
-			return r, err
+			return r, nil, err
 		}
 		r.Ports = append(r.Ports, pr)
 	}
 	if len(r.Ports) == 0 {
 		r.Ports = []PortRange{allPorts}
 	}
-	return r, nil
+	return r, unknown, nil
 }
 
 // parsePrefix accepts a CIDR or a bare address (a host prefix). Host bits are
@@ -448,9 +784,9 @@ type object struct {
 	m         map[string]json.RawMessage
 }
 
-// newObject decodes raw as an object. With known non-nil, any other key is an
-// error; with nil, every key is accepted (top level, metadata).
-func newObject(src, path string, raw json.RawMessage, known []string) (object, error) {
+// newObject decodes raw as an object; which keys it may have is the
+// caller's to check (object.unknown).
+func newObject(src, path string, raw json.RawMessage) (object, error) {
 	o := object{src: src, path: path}
 	if k := jsonKind(raw); k != "mapping" {
 		if path == "" {
@@ -461,19 +797,19 @@ func newObject(src, path string, raw json.RawMessage, known []string) (object, e
 	if err := json.Unmarshal(raw, &o.m); err != nil {
 		return o, invalid(src, path, "%v", err)
 	}
-	if known != nil {
-		keys := make([]string, 0, len(o.m))
-		for k := range o.m {
-			keys = append(keys, k)
-		}
-		slices.Sort(keys) // report the same key every time
-		for _, k := range keys {
-			if !slices.Contains(known, k) {
-				return o, invalid(src, o.field(k), "unknown field (known: %s)", strings.Join(known, ", "))
-			}
+	return o, nil
+}
+
+// unknown lists o's keys that are not in known, in order.
+func (o object) unknown(known []string) []string {
+	var out []string
+	for k := range o.m {
+		if !slices.Contains(known, k) {
+			out = append(out, k)
 		}
 	}
-	return o, nil
+	slices.Sort(out) // report them in the same order every time
+	return out
 }
 
 func (o object) field(key string) string {

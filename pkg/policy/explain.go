@@ -32,6 +32,10 @@ type Explanation struct {
 	// address but an except excludes it, or whose ports do not include the
 	// connection's.
 	Near []RuleRef `json:"near"`
+	// NotAsWritten is what the selecting documents say that podfence
+	// does not enforce as written (Document.Report): a rule left out
+	// allows nothing, a broken document enforces its fallback.
+	NotAsWritten []string `json:"not_enforced_as_written,omitempty"`
 }
 
 // Explain evaluates a connection of id with remote address addr, protocol
@@ -40,7 +44,7 @@ type Explanation struct {
 func Explain(docs []Document, id podid.ID, mode Mode, d Direction, addr netip.Addr, proto uint8, port uint16) Explanation {
 	set := ForIdentifier(docs, id, mode)
 	e := Explanation{Isolated: set.Direction(d).Isolated, Documents: append([]string{}, set.Sources...),
-		Allowing: []RuleRef{}, Near: []RuleRef{}}
+		Allowing: []RuleRef{}, Near: []RuleRef{}, NotAsWritten: set.Problems}
 	addr = addr.Unmap().WithZone("")
 	for _, doc := range docs {
 		isolates, rules := doc.IsolateIngress, doc.Ingress

@@ -57,6 +57,9 @@ type Set struct {
 	Selected        bool     // some document selects the identifier
 	Sources         []string // the selecting documents ("file#index"), for messages
 	Ingress, Egress DirectionPolicy
+	// Problems are what the selecting documents say that is not enforced
+	// as written (Document.Report), for logs.
+	Problems []string
 }
 
 // Check compiles both directions as the datapath will, so that a policy it
@@ -123,6 +126,7 @@ func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
 		}
 		s.Selected = true
 		s.Sources = append(s.Sources, d.Source)
+		s.Problems = append(s.Problems, d.Report()...)
 		s.Ingress.Isolated = s.Ingress.Isolated || d.IsolateIngress
 		s.Egress.Isolated = s.Egress.Isolated || d.IsolateEgress
 		if d.IsolateIngress {

@@ -96,7 +96,9 @@ type Mirror struct {
 type rendering struct {
 	resourceVersion string
 	data            []byte
-	err             error // Render's, or the plugin's parser's
+	err             error // Render's: nothing to write
+	invalid         error // the parser's: written, enforced as policy.ReadDir says
+	logged          bool  // invalid was logged
 }
 
 // New prepares a Mirror of client's PolicyEndpoints into opts.Dir and marks
@@ -248,21 +250,30 @@ func (m *Mirror) reconcile() (Report, error) {
 			r = rendering{resourceVersion: rv}
 			r.data, r.err = Render(u)
 			if r.err == nil {
-				// One object the plugin cannot parse would make the
-				// whole directory invalid, and freeze every
-				// identifier's policy.
-				_, r.err = policy.Parse(bytes.NewReader(r.data), name)
+				// Mirrored all the same: the policy directory's loader
+				// enforces its last good version, or its isolation
+				// alone, and reports it (policy.ReadDir).
+				docs, _ := policy.Parse(bytes.NewReader(r.data), name)
+				r.invalid = policy.Strict(docs)
 			}
 			m.rendered[name] = r
 		}
 		seen[name] = true
 		if r.err != nil {
 			rep.Invalid++
-			m.opts.Log.Warn("PolicyEndpoint not mirrored; its last good version stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.err)
+			m.opts.Log.Warn("PolicyEndpoint not mirrored: it cannot be rendered; its last file stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.err)
 			if old, ok := m.written[name]; ok {
 				want[name] = old
 			}
 			continue
+		}
+		if r.invalid != nil {
+			rep.Invalid++
+			if !r.logged { // once per version
+				m.opts.Log.Warn("PolicyEndpoint does not parse: its last good version is enforced, or without one its isolation alone", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.invalid)
+				r.logged = true
+				m.rendered[name] = r
+			}
 		}
 		want[name] = r.data
 	}

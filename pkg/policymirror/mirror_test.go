@@ -55,11 +55,7 @@ type fixture struct {
 
 func newFixture(t *testing.T) *fixture {
 	api := kubeapi.Start(t, kubeapi.Options{Netns: netnsutil.New(t)})
-	crd, err := os.ReadFile("../../conf/policyendpoints-crd.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	api.InstallCRDs(context.Background(), crd)
+	api.InstallCRDs(context.Background(), kubeapi.ControllerCRD(t, "policyendpoints"))
 	_, dyn := api.Clients()
 	return &fixture{api: api, pes: dyn.Resource(Resource).Namespace("default"), dir: t.TempDir(),
 		addrs: []netip.Addr{thisNode}, reports: make(chan Report, 100)}
@@ -205,9 +201,12 @@ func TestMirror(t *testing.T) {
 }
 
 // TestMirrorKeepsLastGoodVersion: an object the CRD admits but podfence's
-// parser refuses (an except outside its cidr) leaves the file of its last
-// good version in place, so that one bad object cannot freeze the policy of
-// every other identifier by making the directory invalid.
+// parser refuses (an except outside its cidr) is mirrored all the same, and
+// the directory's loader enforces its last good version, which the sweeper
+// recorded when it was valid (policy.Dir.KeepLastGood); one bad object
+// neither freezes the policy of other identifiers nor cuts its own pods off.
+// A new object that does not parse has no last good version: its pods are
+// isolated as it says, allowing nothing.
 func TestMirrorKeepsLastGoodVersion(t *testing.T) {
 	f := newFixture(t)
 	good := pe("a", thisNode, "10.1.0.0/16", 80)
@@ -215,6 +214,13 @@ func TestMirrorKeepsLastGoodVersion(t *testing.T) {
 	m := f.start(t)
 	<-m.Synced()
 	f.waitFile(t, FileName("default", "a"), render(t, good))
+	d, err := policy.ReadDir(f.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.KeepLastGood(); err != nil { // as the sweeper does after each load
+		t.Fatal(err)
+	}
 
 	cur, err := f.pes.Get(context.Background(), "a", metav1.GetOptions{})
 	if err != nil {
@@ -223,7 +229,7 @@ func TestMirrorKeepsLastGoodVersion(t *testing.T) {
 	rules, _, _ := unstructured.NestedSlice(cur.Object, "spec", "ingress")
 	rules[0].(map[string]any)["except"] = []any{"172.16.0.0/24"}
 	unstructured.SetNestedSlice(cur.Object, rules, "spec", "ingress")
-	if _, err := policy.Parse(bytes.NewReader(render(t, cur)), "check"); err == nil {
+	if docs, _ := policy.Parse(bytes.NewReader(render(t, cur)), "check"); policy.Strict(docs) == nil {
 		t.Fatal("test setup: the parser accepts an except outside the cidr")
 	}
 	drain(f.reports)
@@ -232,9 +238,20 @@ func TestMirrorKeepsLastGoodVersion(t *testing.T) {
 	}
 	for r := waitReport(t, f.reports); r.Invalid == 0; r = waitReport(t, f.reports) {
 	}
-	f.waitFile(t, FileName("default", "a"), render(t, good))
-	if docs, err := policy.LoadDir(f.dir); err != nil || len(docs) != 1 {
-		t.Errorf("LoadDir = %d docs, %v; want the last good one", len(docs), err)
+	f.waitFile(t, FileName("default", "a"), render(t, cur))
+	docs, err := policy.LoadDir(f.dir)
+	if err != nil || len(docs) != 1 || docs[0].Fallback != policy.FallbackLastGood || len(docs[0].Ingress) != 1 {
+		t.Errorf("LoadDir = %+v, %v; want the last good version of the one document", docs, err)
+	}
+
+	bad := cur.DeepCopy()
+	bad.SetName("b")
+	bad.SetResourceVersion("")
+	f.create(t, bad)
+	f.waitFile(t, FileName("default", "b"), render(t, bad))
+	docs, err = policy.LoadDir(f.dir)
+	if err != nil || len(docs) != 2 || docs[1].Fallback != policy.FallbackIsolation || !docs[1].IsolateIngress || len(docs[1].Ingress) != 0 {
+		t.Errorf("LoadDir = %+v, %v; want the new broken document isolating its pods with no rule", docs, err)
 	}
 }
 

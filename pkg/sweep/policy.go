@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/podfence/podfence/bpf"
@@ -14,37 +15,64 @@ import (
 	"github.com/podfence/podfence/pkg/policy"
 )
 
-// ErrInvalidPolicy is wrapped when the policy directory does not load:
+// ErrInvalidPolicy is wrapped when the policy directory cannot be read:
 // nothing was changed, and every identifier keeps its last good policy.
+// (A document that does not parse is not this: see policy.ReadDir.)
 var ErrInvalidPolicy = errors.New("invalid policy directory")
+
+// Applied is what one ReapplyPolicies did.
+type Applied struct {
+	Identifiers int // programmed
+	// Documents read, those that do not parse (Broken) and the rules left
+	// out (NotEnforced); Problems says what of them, one line each, as ls
+	// shows it (ReadPolicyStatus).
+	Documents, Broken, NotEnforced int
+	Problems                       []string
+	// KeepErr is why the last good versions could not be recorded (a
+	// read-only policy directory): enforcement goes on, without them.
+	KeepErr error
+}
 
 // ReapplyPolicies programs every identifier that has members with what
 // policyDir says for it, in the mode its state records, under its lock:
 // after the node's addresses change, the tries' always-allowed entries
-// follow (bpf.Identifier.ApplyPolicy writes them). It returns how many
-// identifiers it programmed. An invalid policy directory changes nothing;
-// whether it loaded is recorded in the pin root for ls (ReadPolicyStatus).
-// A directory whose mirror has not synced yet (policy.ErrUnsynced) changes
+// follow (bpf.Identifier.ApplyPolicy writes them). A document that does
+// not parse affects only the pods it selects (policy.ReadDir), and each
+// file that parses whole is kept as the last good version of its
+// documents. A policy directory that cannot be read changes nothing. What
+// the load found is recorded in the pin root for ls (ReadPolicyStatus). A
+// directory whose mirror has not synced yet (policy.ErrUnsynced) changes
 // nothing either: the identifiers keep enforcing what they have.
-func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
+func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) {
+	var a Applied
 	switch synced, err := policy.Synced(policyDir); {
 	case err != nil:
-		return 0, err
+		return a, err
 	case !synced:
-		return 0, fmt.Errorf("%s: %w", policyDir, policy.ErrUnsynced)
+		return a, fmt.Errorf("%s: %w", policyDir, policy.ErrUnsynced)
 	}
-	docs, err := policy.LoadDir(policyDir)
+	dir, err := policy.ReadDir(policyDir)
 	if err != nil {
 		err = fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
-		return 0, errors.Join(err, recordPolicyStatus(pinRoot, err))
+		return a, errors.Join(err, recordPolicyStatus(pinRoot, err, nil))
 	}
-	if err := recordPolicyStatus(pinRoot, nil); err != nil {
-		return 0, err
+	a.KeepErr = dir.KeepLastGood()
+	docs := dir.Documents()
+	a.Documents = len(docs)
+	for _, d := range docs {
+		if d.Broken != nil {
+			a.Broken++
+		}
+		a.NotEnforced += d.NotEnforcedRules()
+		a.Problems = append(a.Problems, d.Report()...)
+	}
+	if err := recordPolicyStatus(pinRoot, nil, a.Problems); err != nil {
+		return a, err
 	}
 	store := membership.New(pinRoot)
 	ids, err := store.Identifiers()
 	if err != nil {
-		return 0, err
+		return a, err
 	}
 	n := 0
 	var errs []error
@@ -84,24 +112,32 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (int, error) {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 		}
 	}
-	return n, errors.Join(errs...)
+	a.Identifiers = n
+	return a, errors.Join(errs...)
 }
 
-// PolicyStatus is why the policy directory was last refused.
+// PolicyStatus is what the last load of the policy directory found: why
+// it could not be read (Error), or what of its documents is not enforced
+// as written (Problems, the first of them when there are many; More says
+// how many more), since Since.
 type PolicyStatus struct {
-	Error string
-	Since time.Time
+	Error    string
+	Problems []string
+	More     int
+	Since    time.Time
 }
 
 // maxStatusError keeps the record's symlink target below PATH_MAX.
 const maxStatusError = 2048
 
 // recordPolicyStatus records the outcome of loading the policy directory
-// in the pin root, for ls: err nil removes the record; an error keeps the
-// time of the first failure in a row.
-func recordPolicyStatus(pinRoot string, err error) error {
+// in the pin root, for ls: an error, or the problems of a directory that
+// loaded; nothing to say removes the record. The time of the first such
+// load in a row is kept. The record is a symlink whose target must stay
+// below PATH_MAX: the problems beyond maxStatusError bytes are counted.
+func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 	path := pinpath.Root(pinRoot).PolicyError()
-	if err == nil {
+	if err == nil && len(problems) == 0 {
 		if rerr := os.Remove(path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
 			return fmt.Errorf("remove the policy error record: %w", rerr)
 		}
@@ -111,11 +147,22 @@ func recordPolicyStatus(pinRoot string, err error) error {
 	if old, ok, _ := ReadPolicyStatus(pinRoot); ok {
 		since = old.Since
 	}
-	msg := err.Error()
-	if len(msg) > maxStatusError {
-		msg = msg[:maxStatusError]
+	v := url.Values{"since": {since.UTC().Format(time.RFC3339Nano)}}
+	if err != nil {
+		msg := err.Error()
+		if len(msg) > maxStatusError {
+			msg = msg[:maxStatusError]
+		}
+		v.Set("error", msg)
 	}
-	v := url.Values{"error": {msg}, "since": {since.UTC().Format(time.RFC3339Nano)}}
+	size := 0
+	for i, p := range problems {
+		if size += len(p); size > maxStatusError {
+			v.Set("more", strconv.Itoa(len(problems)-i))
+			break
+		}
+		v.Add("problem", p)
+	}
 	// bpffs holds no regular files; a symlink renamed over the old one
 	// replaces it atomically.
 	tmp := path + "-new"
@@ -131,7 +178,7 @@ func recordPolicyStatus(pinRoot string, err error) error {
 }
 
 // ReadPolicyStatus reads the record ReapplyPolicies left; false when
-// the policy directory was valid when last loaded.
+// the policy directory loaded with nothing to report.
 func ReadPolicyStatus(pinRoot string) (PolicyStatus, bool, error) {
 	target, err := os.Readlink(pinpath.Root(pinRoot).PolicyError())
 	if errors.Is(err, os.ErrNotExist) {
@@ -148,5 +195,6 @@ func ReadPolicyStatus(pinRoot string) (PolicyStatus, bool, error) {
 	if err != nil {
 		return PolicyStatus{}, false, fmt.Errorf("read the policy error record: %w", err)
 	}
-	return PolicyStatus{Error: v.Get("error"), Since: since}, true, nil
+	more, _ := strconv.Atoi(v.Get("more"))
+	return PolicyStatus{Error: v.Get("error"), Problems: v["problem"], More: more, Since: since}, true, nil
 }

@@ -23,6 +23,9 @@ type call struct {
 	action   string
 	replaced string // pins this call replaced, and why
 	renewed  string // pins of an earlier build this call took over
+	// policy is what the documents selecting the pod say that is not
+	// enforced as written (policy.Document.Report).
+	policy []string
 
 	last   time.Time
 	phases []any // name, milliseconds, name, milliseconds...
@@ -58,6 +61,9 @@ func (c *call) finish(err error) {
 		"cmd", c.cmd, "container", c.container, "ifname", c.ifname,
 		"identifier", string(c.id), "veth", c.veth, "action", c.action,
 		"duration_ms", float64(time.Since(c.start).Microseconds()) / 1000,
+	}
+	if len(c.policy) > 0 {
+		attrs = append(attrs, "policy_not_enforced_as_written", c.policy)
 	}
 	if c.renewed != "" {
 		attrs = append(attrs, "renewed_pins", c.renewed)

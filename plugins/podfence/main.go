@@ -75,8 +75,10 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	}
-	// A policy that cannot be read or held fails the ADD before anything
-	// changes in bpffs.
+	// A policy directory that cannot be read, or a policy the datapath
+	// cannot hold, fails the ADD before anything changes in bpffs. (A
+	// document that does not parse only affects the pods it selects, as
+	// policy.ReadDir says; the log names it.)
 	if set, err := readPolicy(conf, id); err != nil {
 		return err
 	} else if err := set.Check(); err != nil {
@@ -100,6 +102,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		}
 		return err
 	}
+	call.policy = set.Problems
 	call.mark("read-policy")
 
 	member := membership.Member{

@@ -102,22 +102,6 @@ func TestBadInputThroughRuntime(t *testing.T) {
 		{name: "hidden name", podName: ".hidden", code: 4, msgs: []string{`pod name ".hidden"`}},
 		{name: "300-character name", podName: strings.Repeat("a", 300), code: 4, msgs: []string{"pod name", "1 to 253 characters"}},
 		{name: "dot-dot namespace", namespace: "../kube-system", code: 4, msgs: []string{`pod namespace "../kube-system"`}},
-		{name: "invalid policy document", code: 101, policy: [2]string{"broken.yaml", `
-apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: ok, namespace: default}
-spec:
-  podSelectorEndpoints: [{name: web-7f65cc6544-9j58r, namespace: default}]
-  ingress: [{cidr: 10.0.0.0/8}]
----
-apiVersion: networking.k8s.aws/v1alpha1
-kind: PolicyEndpoint
-metadata: {name: bad, namespace: default}
-spec:
-  podSelectorEndpoints: [{name: other, namespace: default}]
-  ingress: [{cidr: 10.0.0.300/8}]
-`}, msgs: []string{"broken.yaml#1", "cidr", "10.0.0.300/8"}},
-		{name: "policy syntax", code: 101, policy: [2]string{"syntax.json", `{"apiVersion": "networking.k8s.aws/v1alpha1",`}, msgs: []string{"syntax.json#0"}},
 		{name: "more port ranges than the datapath holds", code: 101, policy: [2]string{"ports.yaml", tooManyPorts()},
 			msgs: []string{"ports.yaml#0", "10.9.0.0/16", "65 port ranges", "at most 64"}},
 		{name: "more distinct port lists than the datapath holds", code: 101, policy: [2]string{"lists.yaml", tooManyPortSets()},

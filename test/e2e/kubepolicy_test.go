@@ -45,7 +45,7 @@ func newAPICluster(t testing.TB) *apiCluster {
 	// Gone, the path TestKubernetesPolicyRelist is about.
 	api := kubeapi.Start(t, kubeapi.Options{Netns: c.node, CompactEvery: time.Second})
 	ctx := context.Background()
-	api.InstallCRDs(ctx, readConf(t, "policyendpoints-crd.yaml"))
+	api.InstallCRDs(ctx, kubeapi.ControllerCRD(t, "policyendpoints"))
 	if _, err := api.Apply(ctx, readConf(t, "podfence-sweeper.yaml"), kubeapi.ApplyOptions{Namespace: "kube-system"}); err != nil {
 		t.Fatalf("apply conf/podfence-sweeper.yaml: %v", err)
 	}
@@ -383,4 +383,51 @@ func TestFilesSourceClearsUnsyncedMark(t *testing.T) {
 	if c.connects(client, web, backendPort) {
 		t.Error("the client is still let in: the files were not programmed")
 	}
+}
+
+// TestKubernetesPolicyNotReadable: objects the API admits and podfence
+// cannot read whole, through a real API server and the controller's CRD.
+// A new object with a domainName rule isolates its pod both ways as it
+// says: the rule podfence cannot enforce allows nothing, the others apply.
+// A new object whose values do not parse (the CRD leaves cidr free)
+// isolates its pod, allowing nothing. Neither is left open to everyone.
+func TestKubernetesPolicyNotReadable(t *testing.T) {
+	c := newAPICluster(t)
+	client := c.addPod("client", "default")
+	stranger := c.addPod("stranger", "default")
+	fqdn := c.addPod("fqdn", "default")
+	typo := c.addPod("typo", "default")
+	for _, p := range []*pod{client, fqdn, typo, stranger} {
+		echoServer(t, p.netns, backendPort)
+	}
+	logs := c.runKubeSweeper(t)
+	c.waitHealthy(t)
+
+	obj := endpointDoc{name: "fqdn", pods: []string{"fqdn"}, isolate: []string{"Ingress", "Egress"},
+		ingress: []docRule{tcpRule(client.ip.String()+"/32", backendPort)}}.object(t)
+	egress := []any{map[string]any{"domainName": "example.com", "ports": []any{map[string]any{"protocol": "TCP", "port": int64(backendPort)}}}}
+	if err := unstructured.SetNestedSlice(obj.Object, egress, "spec", "egress"); err != nil {
+		t.Fatal(err)
+	}
+	c.create(t, obj)
+	bad := policyEndpoint(t, "typo", []string{"typo"}, backendPort, client)
+	rules, _, _ := unstructured.NestedSlice(bad.Object, "spec", "ingress")
+	rules[0].(map[string]any)["cidr"] = "10.0.0.300/32"
+	unstructured.SetNestedSlice(bad.Object, rules, "spec", "ingress")
+	c.create(t, bad)
+
+	start := time.Now()
+	waitConnects(t, stranger, fqdn, backendPort, false, start, 5*time.Second)
+	waitConnects(t, client, typo, backendPort, false, start, 5*time.Second)
+	if !c.connects(client, fqdn, backendPort) {
+		t.Error("the rule podfence can enforce does not let the client in")
+	}
+	if c.connects(fqdn, client, backendPort) {
+		t.Error("the pod's egress, whose one rule is a domainName, is open")
+	}
+	if c.connects(stranger, typo, backendPort) {
+		t.Error("the pod of an object that does not parse is open")
+	}
+	logs.waitFor(t, `domainName \"example.com\" is not enforced`, 2*time.Second)
+	logs.waitFor(t, "PolicyEndpoint does not parse", 2*time.Second)
 }

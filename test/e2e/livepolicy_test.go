@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,11 +60,11 @@ func (c *cluster) guardedWeb(t *testing.T) (client, intruder, web *pod) {
 	return client, intruder, web
 }
 
-// TestSweeperRunLivePolicy: `run` follows the policy directory. An
-// invalid document changes nothing and says so (log, metric, ls); a
-// policy that revokes an established connection cuts it, by traffic,
-// within a second of the change; removing the policy returns the pod to
-// standard mode's default, open.
+// TestSweeperRunLivePolicy: `run` follows the policy directory. A broken
+// update of a document keeps its last good version and says so (log,
+// metric, ls); a policy that revokes an established connection cuts it,
+// by traffic, within a second of the change; removing the policy returns
+// the pod to standard mode's default, open.
 func TestSweeperRunLivePolicy(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
 	client, intruder, web := c.guardedWeb(t)
@@ -80,32 +81,37 @@ func TestSweeperRunLivePolicy(t *testing.T) {
 	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
 	c.waitHealthy(t)
 
-	// A half-edited document: refused, nothing changes.
+	// A half-edited document: its last good version stays in force, and
+	// the node says so (log, metrics, ls).
 	gen := c.generation(t, id)
 	c.renamePolicy(t, "web", "apiVersion: networking.k8s.aws/v1alpha1\nkind: PolicyEndpoint\nspec: [unclosed\n")
-	logs.waitFor(t, "policy directory refused", 2*time.Second)
+	logs.waitFor(t, "its last good version is enforced", 2*time.Second)
 	page, err := c.get("/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if v := metric(t, page, "podfence_policy_valid"); v != "0" {
-		t.Errorf("podfence_policy_valid %s after an invalid document, want 0", v)
+	if v := metric(t, page, "podfence_policy_documents_invalid"); v != "1" {
+		t.Errorf("podfence_policy_documents_invalid %s after a broken document, want 1", v)
+	}
+	if v := metric(t, page, "podfence_policy_valid"); v != "1" {
+		t.Errorf("podfence_policy_valid %s: the directory itself could be read", v)
 	}
 	out, err := c.sweeper(t, "ls", "--json", "--pin-root", c.pinRoot)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var ls []struct {
-		Identifier  string `json:"identifier"`
-		Generation  uint32 `json:"generation"`
-		PolicyError string `json:"policy_error"`
+		Identifier     string   `json:"identifier"`
+		Generation     uint32   `json:"generation"`
+		PolicyProblems []string `json:"policy_problems"`
 	}
 	if err := json.Unmarshal(out, &ls); err != nil {
 		t.Fatal(err)
 	}
 	for _, v := range ls {
-		if v.PolicyError == "" {
-			t.Errorf("ls shows no policy error for %s", v.Identifier)
+		if len(v.PolicyProblems) != 1 || !strings.Contains(v.PolicyProblems[0], "web.yaml#0") ||
+			!strings.Contains(v.PolicyProblems[0], "last good version") {
+			t.Errorf("ls shows %q for %s, want the broken document and its last good version", v.PolicyProblems, v.Identifier)
 		}
 	}
 	if got := c.generation(t, id); got != gen {
