@@ -9,8 +9,9 @@ import (
 	"testing"
 )
 
-// FuzzDocument: any bytes in the policy directory either parse or fail with
-// an error, never a panic; what parses compiles for the datapath (or is
+// FuzzDocument: any bytes in the policy directory parse into documents,
+// never a panic, and a broken one keeps no rule; what parses compiles for
+// the datapath (or is
 // refused with one of the limit errors), and every compiled lookup answers
 // as the direct evaluation does. The seeds are the example documents; the
 // corpus testdata/fuzz/FuzzDocument keeps what the fuzzer found.
@@ -27,10 +28,25 @@ func FuzzDocument(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data, addr []byte, proto uint8, port uint16) {
 		docs, err := Parse(bytes.NewReader(data), "fuzz.yaml")
 		if err != nil {
-			if !errors.Is(err, ErrInvalidDocument) {
-				t.Fatalf("Parse failed without ErrInvalidDocument: %v", err)
+			t.Fatalf("Parse of bytes in memory failed as a whole: %v", err)
+		}
+		// A broken document says why, and keeps no rule: at most its
+		// selection and isolation, never more open than it says.
+		for _, doc := range docs {
+			switch {
+			case doc.Broken == nil && doc.Fallback != FallbackNone:
+				t.Fatalf("%s: fallback %s without an error", doc.Source, doc.Fallback)
+			case doc.Broken == nil:
+				continue
+			case !errors.Is(doc.Broken, ErrInvalidDocument):
+				t.Fatalf("%s: broken without ErrInvalidDocument: %v", doc.Source, doc.Broken)
+			case len(doc.Ingress)+len(doc.Egress) != 0:
+				t.Fatalf("%s: broken, with rules", doc.Source)
+			case doc.Fallback == FallbackNothing && (len(doc.Selects) != 0 || doc.IsolateIngress || doc.IsolateEgress):
+				t.Fatalf("%s: changes nothing, yet selects or isolates", doc.Source)
+			case doc.Fallback != FallbackNothing && doc.Fallback != FallbackIsolation:
+				t.Fatalf("%s: fallback %s out of a directory", doc.Source, doc.Fallback)
 			}
-			return
 		}
 		a, ok := netip.AddrFromSlice(addr)
 		if !ok {
