@@ -347,12 +347,13 @@ func cmdSweep(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	c.warnGrace(stderr)
 	g, err := openGlobal(&c, inspect)
 	if err != nil {
 		return err
 	}
 	defer g.Close()
-	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: orphanGraceOnce(c.orphanGrace), Record: true, Log: discardLog()})
+	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Record: true, Log: discardLog()})
 	if err != nil {
 		return err
 	}
@@ -406,13 +407,6 @@ func cmdSweep(args []string, stdout, stderr io.Writer) error {
 
 // orphanGraceOnce: one sweep has no memory of when a veth went, so the
 // grace counts from now unless it is 0 (remove at once).
-func orphanGraceOnce(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
-}
-
 func counts(m map[string]int) string {
 	var parts []string
 	for _, r := range []liveness.Reason{liveness.KeptRecent, liveness.KeptGrace, liveness.KeptLive, liveness.DeletedGone, liveness.DeletedDead} {

@@ -18,6 +18,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -54,6 +56,7 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprint(stderr, usage)
 		return 2
 	}
+	args = hoistFlags(args)
 	var err error
 	switch cmd, rest := args[0], args[1:]; cmd {
 	case "run":
@@ -75,11 +78,12 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 	case "uninstall-cni":
 		err = cmdUninstallCNI(rest, stdout, stderr)
 	case "dump":
-		if len(rest) == 0 || rest[0] != "conntrack" {
+		i := slices.Index(rest, "conntrack")
+		if i < 0 {
 			fmt.Fprintf(stderr, "podfence-sweeper dump: say what to dump: dump conntrack\n")
 			return 2
 		}
-		err = cmdDumpConntrack(rest[1:], stdout, stderr)
+		err = cmdDumpConntrack(slices.Delete(slices.Clone(rest), i, i+1), stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0
@@ -124,25 +128,123 @@ func newFlags(name string, stderr io.Writer, c *common, sweepFlags bool) *flag.F
 	fs.UintVar(&c.ctV4, "ct-v4-entries", bpf.DefaultCTv4Entries, "capacity of the IPv4 conntrack map: the plugin's ctV4Entries")
 	fs.UintVar(&c.ctV6, "ct-v6-entries", bpf.DefaultCTv6Entries, "capacity of the IPv6 conntrack map: the plugin's ctV6Entries")
 	if sweepFlags {
-		fs.DurationVar(&c.grace, "grace", sweep.DefaultGrace, "keep an entry seen this recently, whatever the kernel table says")
+		fs.DurationVar(&c.grace, "grace", sweep.DefaultGrace, "keep an entry seen this recently, whatever the kernel table says (0: none; a new flow's entry may then go before its kernel flow exists)")
 		fs.DurationVar(&c.orphanGrace, "orphan-grace", sweep.DefaultOrphanGrace, "remove a member once its veth has been gone this long (0: at once)")
 	}
 	return fs
 }
 
+// warnGrace says what --grace 0 risks, which the user may mean.
+func (c *common) warnGrace(stderr io.Writer) {
+	if c.grace == 0 {
+		fmt.Fprintln(stderr, "warning: --grace 0: a new flow's entry may be deleted before netfilter creates its kernel flow; its next packet is then judged again by policy")
+	}
+}
+
 // parse parses args, refusing positional arguments.
 func parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return usageError{err}
+	rest, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
 	}
-	if fs.NArg() > 0 {
-		return usageError{fmt.Errorf("unexpected arguments %q", fs.Args())}
+	if len(rest) > 0 {
+		return usageError{fmt.Errorf("unexpected arguments %q", rest)}
 	}
 	return nil
 }
+
+// checkCommon refuses values of the common flags that the user set and
+// that mean nothing: a conntrack size of 0 (which bpf.GlobalOptions would
+// take for its default) or out of range, a negative grace.
+func checkCommon(fs *flag.FlagSet) error {
+	var err error
+	fs.Visit(func(f *flag.Flag) {
+		if err != nil {
+			return
+		}
+		switch v := f.Value.(flag.Getter).Get().(type) {
+		case uint:
+			if strings.HasPrefix(f.Name, "ct-") && (v < bpf.MinCTEntries || v > bpf.MaxCTEntries) {
+				err = fmt.Errorf("--%s %d: conntrack table size must be in [%d, %d]", f.Name, v, bpf.MinCTEntries, bpf.MaxCTEntries)
+			}
+		case time.Duration:
+			if strings.HasSuffix(f.Name, "grace") && v < 0 {
+				err = fmt.Errorf("--%s %v: need 0 or more", f.Name, v)
+			}
+		}
+	})
+	if err != nil {
+		return usageError{err}
+	}
+	return nil
+}
+
+// parseInterspersed parses flags anywhere among args, as kubectl does, and
+// returns the positional arguments in order; "--" ends the flags. Values a
+// user set are checked where they are used, never replaced by a default.
+func parseInterspersed(fs *flag.FlagSet, args []string) (positional []string, err error) {
+	defer func() {
+		if err == nil {
+			err = checkCommon(fs)
+		}
+	}()
+	var after []string
+	if i := slices.Index(args, "--"); i >= 0 {
+		args, after = args[:i], args[i+1:]
+	}
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, err
+			}
+			return nil, usageError{err}
+		}
+		// Parse stops at the first positional argument.
+		if args = fs.Args(); len(args) == 0 {
+			return append(positional, after...), nil
+		}
+		positional = append(positional, args[0])
+		args = args[1:]
+	}
+}
+
+// hoistFlags moves the flags before a command to after its words, so that
+// "podfence-sweeper --pin-root X sweep" is "sweep --pin-root X". A flag
+// takes the next word as its value unless it is written --flag=value or is
+// one of the boolean flags.
+func hoistFlags(args []string) []string {
+	var leading []string
+	i := 0
+	for i < len(args) && strings.HasPrefix(args[i], "-") && args[i] != "-" && args[i] != "--" {
+		arg := args[i]
+		leading = append(leading, arg)
+		i++
+		name := strings.TrimLeft(arg, "-")
+		if strings.Contains(name, "=") || booleanFlags[name] || i >= len(args) || commands[args[i]] {
+			continue
+		}
+		leading = append(leading, args[i])
+		i++
+	}
+	if len(leading) == 0 || i >= len(args) {
+		return args
+	}
+	out := []string{args[i]}
+	words := 1
+	if args[i] == "dump" && i+1 < len(args) {
+		words = 2 // dump conntrack
+	}
+	out = append(out, args[i+1:i+words]...)
+	out = append(out, leading...)
+	return append(out, args[i+words:]...)
+}
+
+// booleanFlags are the flags of any command that take no value.
+var booleanFlags = map[string]bool{"json": true, "h": true, "help": true}
+
+// commands are the first words runMain knows.
+var commands = map[string]bool{"run": true, "sweep": true, "ls": true, "apply": true, "trace": true, "why": true,
+	"upgrade": true, "install-cni": true, "uninstall-cni": true, "dump": true}
 
 func (c *common) globalOptions() (bpf.GlobalOptions, error) {
 	for flag, n := range map[string]uint{"--ct-v4-entries": c.ctV4, "--ct-v6-entries": c.ctV6} {

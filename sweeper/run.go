@@ -64,6 +64,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		return usageError{fmt.Errorf("--interval-min %v and --interval-max %v: need 0 < min <= max", *minInterval, *maxInterval)}
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	if c.grace == 0 {
+		log.Warn("--grace 0: a new flow's entry may be deleted before netfilter creates its kernel flow; its next packet is then judged again by policy")
+	}
 
 	g, err := openGlobal(&c, serve)
 	if err != nil {

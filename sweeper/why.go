@@ -2,7 +2,6 @@ package main
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/netip"
@@ -50,13 +49,11 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 			"and says what it decides, why, and which rules of the policy directory decide it.\n\n")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return usageError{err}
+	rest, err := parseInterspersed(fs, args)
+	if err != nil {
+		return err
 	}
-	q, err := parseWhy(*pod, *from, *to, *source, fs.Args())
+	q, err := parseWhy(*pod, *from, *to, *source, rest)
 	if err != nil {
 		return usageError{err}
 	}

@@ -336,7 +336,7 @@ func BenchmarkEventPath(b *testing.B) {
 	var s *Sweeper
 	var ev *ctnetlink.Events
 	netnsutil.Do(b, pair.Node, func() (err error) {
-		if s, err = New(g, Options{PinRoot: pinRoot, Log: discard()}); err != nil {
+		if s, err = New(g, Options{PinRoot: pinRoot, Grace: DefaultGrace, OrphanGrace: DefaultOrphanGrace, Log: discard()}); err != nil {
 			return err
 		}
 		if _, err = s.Pass(); err != nil { // reads the members' addresses

@@ -37,7 +37,8 @@ import (
 	"github.com/podfence/podfence/pkg/podid"
 )
 
-// Defaults of Options.
+// Defaults of the sweeper's flags for Options (a zero Options field means
+// zero: New never puts a default in place of what its caller set).
 const (
 	DefaultGrace       = 10 * time.Second
 	DefaultOrphanGrace = 60 * time.Second
@@ -52,11 +53,12 @@ type Options struct {
 	PinRoot string
 	// Grace keeps an entry seen this recently whatever the kernel says: a
 	// new flow's entry is written at the veth before netfilter creates the
-	// kernel flow. Default DefaultGrace.
+	// kernel flow (DefaultGrace is the sweeper's). 0 keeps none that way,
+	// and can delete a new flow's entry before its kernel flow exists.
 	Grace time.Duration
 	// OrphanGrace is how long a member's veth must be gone before the
-	// member is removed. Default DefaultOrphanGrace; negative removes on
-	// the first pass that sees it gone.
+	// member is removed (DefaultOrphanGrace is the sweeper's); 0 removes
+	// it on the first pass that sees it gone.
 	OrphanGrace time.Duration
 	// Record makes a pass return every entry's decision (sweep's output);
 	// without it only counts, so that memory does not grow with the maps.
@@ -89,11 +91,8 @@ type Sweeper struct {
 // New returns a sweeper of g's maps, reading the kernel table of the calling
 // thread's network namespace.
 func New(g *bpf.Global, opts Options) (*Sweeper, error) {
-	if opts.Grace == 0 {
-		opts.Grace = DefaultGrace
-	}
-	if opts.OrphanGrace == 0 {
-		opts.OrphanGrace = DefaultOrphanGrace
+	if opts.Grace < 0 || opts.OrphanGrace < 0 {
+		return nil, fmt.Errorf("sweeper: grace %v and orphan grace %v: need 0 or more", opts.Grace, opts.OrphanGrace)
 	}
 	if opts.Log == nil {
 		opts.Log = slog.Default()

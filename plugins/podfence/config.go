@@ -98,6 +98,14 @@ func parseConfig(stdin []byte, needPrevResult bool) (*PluginConf, error) {
 		return nil, configError("unknown config keys %s (podfence takes pinRoot, policyDir, enforcingMode, attachMode, logFile, logLevel, ctV4Entries, ctV6Entries, sourceCheck)", strings.Join(unknown, ", "))
 	}
 
+	// A key that is set means what it says: its zero value is not taken
+	// for the default, which leaving the key out gives.
+	for _, k := range []string{"pinRoot", "policyDir", "enforcingMode", "attachMode", "logLevel", "ctV4Entries", "ctV6Entries"} {
+		if v, ok := raw[k]; ok && (string(v) == `""` || string(v) == "0") {
+			return nil, configError("%s is %s: leave the key out for its default, or give a value", k, v)
+		}
+	}
+
 	conf := &PluginConf{}
 	dec := json.NewDecoder(bytes.NewReader(stdin))
 	if err := dec.Decode(conf); err != nil {

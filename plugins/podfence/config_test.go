@@ -298,3 +298,16 @@ func mustIPNet(t *testing.T, s string) *net.IPNet {
 	n.IP = ip
 	return n
 }
+
+// A key that is set means what it says: its zero value is an error, not
+// the default, which leaving the key out gives.
+func TestParseConfigZeroIsNotDefault(t *testing.T) {
+	for _, kv := range []string{`"pinRoot": ""`, `"policyDir": ""`, `"enforcingMode": ""`, `"attachMode": ""`,
+		`"logLevel": ""`, `"ctV4Entries": 0`, `"ctV6Entries": 0`} {
+		_, err := parseConfig(withPrev(kv), true)
+		var cniErr *types.Error
+		if !errors.As(err, &cniErr) || cniErr.Code != types.ErrInvalidNetworkConfig || !strings.Contains(err.Error(), "leave the key out") {
+			t.Errorf("%s: %v, want error 7 saying to leave the key out", kv, err)
+		}
+	}
+}

@@ -1,11 +1,13 @@
 package e2e
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
 	"testing"
+	"time"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/liveness"
@@ -137,5 +139,20 @@ func TestSweepRemovesOrphans(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestRunZeroGraces: run's --orphan-grace 0 removes an orphaned member at
+// the first pass that sees its veth gone (it once meant the default, 60 s),
+// and --grace 0 is taken as set, with a warning of what it risks.
+func TestRunZeroGraces(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	gone, destroy := lcAddPodOwnNS(t, c, "db-0")
+	destroy()
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--orphan-grace", "0", "--grace", "0")
+	logs.waitFor(t, "--grace 0: a new flow's entry may be deleted", 2*time.Second)
+	logs.waitFor(t, "removed an orphaned member", 2*time.Second)
+	if _, err := membership.New(c.pinRoot).FindContainer(gone.containerID, "eth0"); !errors.Is(err, membership.ErrNotMember) {
+		t.Errorf("the orphan's record after the first pass: %v, want it gone", err)
 	}
 }
