@@ -28,11 +28,11 @@ type metrics struct {
 	// documentsInvalid and rulesNotEnforced: what the last load found.
 	documentsInvalid prometheus.Gauge
 	rulesNotEnforced prometheus.Gauge
-	mirrorSynced  prometheus.Gauge
-	mirrorObjects prometheus.Gauge
-	mirrorInvalid prometheus.Gauge
-	mirrorWrites  prometheus.Counter
-	mirrorErrors  prometheus.Counter
+	mirrorSynced     prometheus.Gauge
+	mirrorObjects    prometheus.Gauge
+	mirrorInvalid    prometheus.Gauge
+	mirrorWrites     prometheus.Counter
+	mirrorErrors     prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {

@@ -9,8 +9,8 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"slices"
 	"os/signal"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -131,10 +131,10 @@ type runner struct {
 	// again only when they change.
 	problems []string
 	keepErr  error
-	interval  sweep.Interval
-	healthy   atomic.Bool
-	wake      chan struct{} // a full pass is wanted now (lost events)
-	events    ctnetlink.EventsOptions
+	interval sweep.Interval
+	healthy  atomic.Bool
+	wake     chan struct{} // a full pass is wanted now (lost events)
+	events   ctnetlink.EventsOptions
 }
 
 func (r *runner) serve(addr string, reg *prometheus.Registry) (*http.Server, error) {

@@ -82,8 +82,12 @@ spec:
 	// good version and lists what is not enforced.
 	c.applyPolicies()
 	problems := c.policyProblems(t)
-	if len(problems) != 2 || !slices.ContainsFunc(problems, func(p string) bool { return strings.Contains(p, "other.yaml#0") && strings.Contains(p, "allowing nothing") }) ||
-		!slices.ContainsFunc(problems, func(p string) bool { return strings.Contains(p, "fqdn.yaml#0") && strings.Contains(p, "spec.egress[0]") }) {
+	if len(problems) != 2 || !slices.ContainsFunc(problems, func(p string) bool {
+		return strings.Contains(p, "other.yaml#0") && strings.Contains(p, "allowing nothing")
+	}) ||
+		!slices.ContainsFunc(problems, func(p string) bool {
+			return strings.Contains(p, "fqdn.yaml#0") && strings.Contains(p, "spec.egress[0]")
+		}) {
 		t.Errorf("ls shows %q, want the broken document and the domainName rule", problems)
 	}
 	out, err := c.sweeper(t, "why", "--json", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--pod", "fqdn",
