@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean
+.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance
 
 all: build
 
@@ -67,6 +67,16 @@ test-kernels:
 
 bench:
 	hack/bench.sh
+
+# A real Kubernetes node on this machine (test/node), with podfence
+# installed from its image and manifest; it keeps running, and prints a
+# kubeconfig that works from here. make cluster-down removes all of it.
+cluster: image
+	tools=$$(hack/k8s-tools.sh) && cni=$$(hack/cni-plugins.sh) && \
+		$(GO) run ./hack/cluster up -tools $$tools -cni-bin $$cni -image $(BIN)/podfence-image.tar
+
+cluster-down:
+	$(GO) run ./hack/cluster down
 
 # TestSoak for SOAK_DURATION (10m); make test runs it for 15 s.
 soak:
