@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/policy"
 )
 
 // cniFlags locate the node's CNI configuration and binaries.
@@ -49,8 +50,17 @@ func cmdInstallCNI(args []string, stdout, stderr io.Writer) error {
 	plugin := fs.String("plugin", "", "the podfence binary to install (default: podfence beside this binary)")
 	pinRoot := fs.String("pin-root", "/sys/fs/bpf/podfence", "pinRoot written into podfence's entry")
 	policyDir := fs.String("policy-dir", defaultPolicyDir, "policyDir written into podfence's entry")
+	mode := fs.String("enforcing-mode", "", "enforcingMode written into podfence's entry: standard or strict (empty: none, the plugin's default, standard)")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	conf := map[string]any{"pinRoot": *pinRoot, "policyDir": *policyDir}
+	if *mode != "" {
+		m, err := policy.ParseMode(*mode)
+		if err != nil {
+			return usageError{fmt.Errorf("--enforcing-mode: %w", err)}
+		}
+		conf["enforcingMode"] = string(m)
 	}
 	if *plugin == "" {
 		self, err := os.Executable()
@@ -63,7 +73,7 @@ func cmdInstallCNI(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	out, changed, err := cniconf.Chain(data, map[string]any{"pinRoot": *pinRoot, "policyDir": *policyDir})
+	out, changed, err := cniconf.Chain(data, conf)
 	if err != nil {
 		return fmt.Errorf("%s: %w (left as it is)", path, err)
 	}

@@ -28,11 +28,14 @@ type metrics struct {
 	// documentsInvalid and rulesNotEnforced: what the last load found.
 	documentsInvalid prometheus.Gauge
 	rulesNotEnforced prometheus.Gauge
-	mirrorSynced     prometheus.Gauge
-	mirrorObjects    prometheus.Gauge
-	mirrorInvalid    prometheus.Gauge
-	mirrorWrites     prometheus.Counter
-	mirrorErrors     prometheus.Counter
+	// programmingLatency: from the controller's write of a PolicyEndpoint
+	// to its program on this node.
+	programmingLatency prometheus.Histogram
+	mirrorSynced       prometheus.Gauge
+	mirrorObjects      prometheus.Gauge
+	mirrorInvalid      prometheus.Gauge
+	mirrorWrites       prometheus.Counter
+	mirrorErrors       prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
@@ -67,6 +70,11 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 			Name: "podfence_policy_valid", Help: "1 when the policy directory could be read at the last change, 0 when identifiers keep their last good policy."}),
 		documentsInvalid: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policy_documents_invalid", Help: "Policy documents that do not parse, at the last load: each enforces its last good version, or its isolation alone, or nothing (ls names them)."}),
+		programmingLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "podfence_policy_programming_latency_seconds",
+			Help:    "From the network-policy controller's write of a PolicyEndpoint (its networking.k8s.aws/last-change-trigger-time) to its program into this node's maps.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30},
+		}),
 		rulesNotEnforced: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policy_rules_not_enforced", Help: "Rules left out at the last load (a domainName, a field podfence does not know inside a rule): each allows nothing (ls names them)."}),
 		mirrorSynced: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -82,7 +90,7 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 	}
 	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
 		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
-		m.documentsInvalid, m.rulesNotEnforced,
+		m.documentsInvalid, m.rulesNotEnforced, m.programmingLatency,
 		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorWrites, m.mirrorErrors,
 		&packetCollector{pinRoot: pinRoot})
 	// Every reason appears from the start, at 0.

@@ -131,10 +131,13 @@ type runner struct {
 	// again only when they change.
 	problems []string
 	keepErr  error
-	interval sweep.Interval
-	healthy  atomic.Bool
-	wake     chan struct{} // a full pass is wanted now (lost events)
-	events   ctnetlink.EventsOptions
+	// programmed is, by document, the controller's change time last seen
+	// programmed: each change is observed once.
+	programmed map[string]time.Time
+	interval   sweep.Interval
+	healthy    atomic.Bool
+	wake       chan struct{} // a full pass is wanted now (lost events)
+	events     ctnetlink.EventsOptions
 }
 
 func (r *runner) serve(addr string, reg *prometheus.Registry) (*http.Server, error) {
@@ -311,6 +314,7 @@ func (r *runner) applyPolicies(why string) {
 	}
 	r.m.policyValid.Set(1)
 	r.m.policyApplies.Inc()
+	r.observeLatency(a.Changed, time.Now())
 	r.m.documentsInvalid.Set(float64(a.Broken))
 	r.m.rulesNotEnforced.Set(float64(a.NotEnforced))
 	if !slices.Equal(a.Problems, r.problems) {
@@ -368,4 +372,28 @@ func sameAddrs[T comparable](a, b []T) bool {
 		}
 	}
 	return true
+}
+
+// observeLatency records, for each document the controller changed since
+// the last apply, how long its change took to be programmed: from the
+// controller's write (policy.ChangeTimeAnnotation) to now. The first
+// apply after a start only notes the times, which are no new change.
+func (r *runner) observeLatency(changed map[string]time.Time, now time.Time) {
+	first := r.programmed == nil
+	if first {
+		r.programmed = map[string]time.Time{}
+	}
+	for doc, at := range changed {
+		if seen, ok := r.programmed[doc]; !first && (!ok || at.After(seen)) {
+			if d := now.Sub(at); d >= 0 {
+				r.m.programmingLatency.Observe(d.Seconds())
+			}
+		}
+		r.programmed[doc] = at
+	}
+	for doc := range r.programmed {
+		if _, ok := changed[doc]; !ok {
+			delete(r.programmed, doc)
+		}
+	}
 }

@@ -153,6 +153,9 @@ func TestControllerOutput(t *testing.T) {
 			if !reflect.DeepEqual(d.Ingress, c.ingress) || !reflect.DeepEqual(d.Egress, c.egres) {
 				t.Errorf("rules\n%+v\n%+v\nwant\n%+v\n%+v", d.Ingress, d.Egress, c.ingress, c.egres)
 			}
+			if d.ChangedAt.IsZero() || d.ChangedAt.Year() != 2026 {
+				t.Errorf("ChangedAt %v, want the controller's %s", d.ChangedAt, ChangeTimeAnnotation)
+			}
 			if len(d.Notes) != c.notes || d.NotEnforcedRules() != c.notes {
 				t.Errorf("notes %+v, want %d rules not enforced", d.Notes, c.notes)
 			}

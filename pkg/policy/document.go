@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"sigs.k8s.io/yaml"
 )
@@ -20,6 +21,9 @@ import (
 const (
 	apiVersion = "networking.k8s.aws/v1alpha1"
 	kind       = "PolicyEndpoint"
+	// ChangeTimeAnnotation is when the network-policy controller wrote a
+	// PolicyEndpoint, which the sweeper's mirror carries into its file.
+	ChangeTimeAnnotation = "networking.k8s.aws/last-change-trigger-time"
 )
 
 // Protocol numbers as in the IP header. ProtocolAny matches every protocol
@@ -89,6 +93,9 @@ type Endpoint struct{ Name, Namespace string }
 type Document struct {
 	Source          string // "path#3": file and 0-based document index, for messages
 	Name, Namespace string // metadata
+	// ChangedAt is when the controller last changed the document
+	// (ChangeTimeAnnotation), zero when it does not say.
+	ChangedAt       time.Time
 	Selects         []Endpoint
 	IsolateIngress  bool
 	IsolateEgress   bool
@@ -521,6 +528,15 @@ func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
 		}
 		if doc.Namespace, err = meta.str("namespace", false); err != nil {
 			return Document{}, false, err
+		}
+		// Informational only: an annotation that does not parse is no
+		// reason to refuse the policy.
+		if raw, ok := meta.raw("annotations"); ok {
+			if ann, err := newObject(src, "metadata.annotations", raw); err == nil {
+				if s, err := ann.str(ChangeTimeAnnotation, false); err == nil {
+					doc.ChangedAt, _ = time.Parse(time.RFC3339Nano, s)
+				}
+			}
 		}
 	}
 	raw, ok := top.raw("spec")

@@ -347,10 +347,15 @@ func Render(pe *unstructured.Unstructured) ([]byte, error) {
 	if !ok {
 		return nil, errors.New("no spec")
 	}
+	meta := map[string]any{"name": pe.GetName(), "namespace": pe.GetNamespace()}
+	// When the controller wrote it, for podfence_policy_programming_latency_seconds.
+	if t, ok := pe.GetAnnotations()[policy.ChangeTimeAnnotation]; ok {
+		meta["annotations"] = map[string]any{policy.ChangeTimeAnnotation: t}
+	}
 	doc := map[string]any{
 		"apiVersion": pe.GetAPIVersion(),
 		"kind":       pe.GetKind(),
-		"metadata":   map[string]any{"name": pe.GetName(), "namespace": pe.GetNamespace()},
+		"metadata":   meta,
 		"spec":       spec,
 	}
 	data, err := json.Marshal(doc) // map keys sorted: the same object gives the same bytes

@@ -31,6 +31,9 @@ type Applied struct {
 	// KeepErr is why the last good versions could not be recorded (a
 	// read-only policy directory): enforcement goes on, without them.
 	KeepErr error
+	// Changed is, by document (namespace/name), when the controller last
+	// changed it, for the documents that say (policy.ChangeTimeAnnotation).
+	Changed map[string]time.Time
 }
 
 // ReapplyPolicies programs every identifier that has members with what
@@ -65,6 +68,12 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) 
 		}
 		a.NotEnforced += d.NotEnforcedRules()
 		a.Problems = append(a.Problems, d.Report()...)
+		if !d.ChangedAt.IsZero() {
+			if a.Changed == nil {
+				a.Changed = map[string]time.Time{}
+			}
+			a.Changed[d.Namespace+"/"+d.Name] = d.ChangedAt
+		}
 	}
 	if err := recordPolicyStatus(pinRoot, nil, a.Problems); err != nil {
 		return a, err

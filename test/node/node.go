@@ -400,3 +400,13 @@ func (n *Node) DialContext(ctx context.Context, network, addr string) (net.Conn,
 	r := <-ch
 	return r.c, r.err
 }
+
+// Apply applies a manifest with the node's kubectl.
+func (n *Node) Apply(manifest string) error {
+	cmd := n.Exec(filepath.Join(n.Tools, "kubectl"), "apply", "-f", "-")
+	cmd.Stdin = strings.NewReader(manifest)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("kubectl apply: %w: %s", err, out)
+	}
+	return nil
+}

@@ -239,7 +239,9 @@ func (s *supervisor) cgroups() error {
 			base = parts[2]
 		}
 	}
-	s.cgroupRoot = filepath.Join(base, podfenceCgroup)
+	// One per node: two nodes may run at once (a test run beside make
+	// cluster), and a cgroup root is the kubelet's alone.
+	s.cgroupRoot = filepath.Join(base, podfenceCgroup+"-"+strconv.Itoa(os.Getpid()))
 	hs, err := hierarchies()
 	if err != nil {
 		return err

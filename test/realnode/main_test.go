@@ -22,6 +22,9 @@ import (
 // theNode is the run's node; nil when the tests skip (no root, no tools).
 var theNode *node.Node
 
+// hostBefore is the host as it was before the node started.
+var hostBefore node.Host
+
 // skipWhy says why there is no node.
 var skipWhy string
 
@@ -49,6 +52,7 @@ func run(m *testing.M) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
+	hostBefore = before
 	n, err := startNode(tools)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "node:", err)

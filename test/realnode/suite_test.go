@@ -1,0 +1,192 @@
+package realnode
+
+import (
+	"encoding/xml"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/podfence/podfence/test/node"
+)
+
+// The NetworkPolicy cases of Kubernetes' e2e suite (v1.37.2): every case
+// of the feature, but those that need SCTP, which this kernel lacks.
+const (
+	suiteFocus = `\[Feature:NetworkPolicy\]`
+	suiteSkip  = `\[Feature:SCTPConnectivity\]`
+)
+
+// suiteCase is one case of a run of the suite.
+type suiteCase struct {
+	Name    string
+	Seconds float64
+	Failure string // empty: passed
+}
+
+// runSuite runs Kubernetes' e2e suite inside the node, against it, with a
+// focus and skip (regular expressions over the cases' full names), and
+// returns the cases it ran. dryRun lists them without running anything.
+func runSuite(n *node.Node, focus, skip string, dryRun bool) ([]suiteCase, error) {
+	dir, err := os.MkdirTemp(n.State, "e2e-")
+	if err != nil {
+		return nil, err
+	}
+	args := []string{
+		"--provider=skeleton",
+		"--kubeconfig=" + n.InnerKubeconfig,
+		"--ginkgo.focus=" + focus,
+		"--ginkgo.skip=" + skip,
+		"--ginkgo.no-color",
+		"--ginkgo.timeout=3h",
+		"--report-dir=" + dir,
+	}
+	if dryRun {
+		args = append(args, "--ginkgo.dry-run")
+	}
+	cmd := n.Exec(filepath.Join(n.Tools, "e2e.test"), args...)
+	log, err := os.Create(filepath.Join(dir, "e2e.log"))
+	if err != nil {
+		return nil, err
+	}
+	defer log.Close()
+	cmd.Stdout, cmd.Stderr = log, log
+	runErr := cmd.Run() // a failed case exits 1: the report says which
+	cases, err := readJUnit(filepath.Join(dir, "junit_01.xml"))
+	if err != nil {
+		return nil, fmt.Errorf("e2e.test (%v, log %s): %w", runErr, log.Name(), err)
+	}
+	return cases, nil
+}
+
+// readJUnit reads the cases ginkgo ran (the It specs) from its report.
+func readJUnit(path string) ([]suiteCase, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var report struct {
+		Suites []struct {
+			Cases []struct {
+				Name    string    `xml:"name,attr"`
+				Time    float64   `xml:"time,attr"`
+				Skipped *struct{} `xml:"skipped"`
+				Failure *struct {
+					Message string `xml:"message,attr"`
+					Text    string `xml:",chardata"`
+				} `xml:"failure"`
+			} `xml:"testcase"`
+		} `xml:"testsuite"`
+	}
+	if err := xml.Unmarshal(b, &report); err != nil {
+		return nil, err
+	}
+	var out []suiteCase
+	for _, s := range report.Suites {
+		for _, c := range s.Cases {
+			if c.Skipped != nil || !strings.HasPrefix(c.Name, "[It] ") {
+				continue
+			}
+			sc := suiteCase{Name: strings.TrimPrefix(c.Name, "[It] "), Seconds: c.Time}
+			if c.Failure != nil {
+				sc.Failure = strings.TrimSpace(c.Failure.Message + "\n" + c.Failure.Text)
+				if sc.Failure == "" {
+					sc.Failure = "failed"
+				}
+			}
+			out = append(out, sc)
+		}
+	}
+	return out, nil
+}
+
+// exactly is a focus that matches each of names, and nothing else.
+func exactly(names []string) string {
+	quoted := make([]string, len(names))
+	for i, n := range names {
+		quoted[i] = regexp.QuoteMeta(n)
+	}
+	return "^(" + strings.Join(quoted, "|") + ")$"
+}
+
+// suiteSubset covers each kind of peer and port the suite tests, both
+// directions' default deny, egress to a Service and UDP, in about a
+// quarter of the suite's time; make conformance runs every case.
+var suiteSubset = []string{
+	// pod selector
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy to allow traffic from pods within server namespace based on PodSelector [Feature:NetworkPolicy]",
+	// namespace selector
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy to allow traffic only from a different namespace, based on NamespaceSelector [Feature:NetworkPolicy]",
+	// both in one peer
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy based on PodSelector and NamespaceSelector [Feature:NetworkPolicy]",
+	// ipBlock with except
+	"[sig-network] Netpol NetworkPolicy between server and client should ensure an IP overlapping both IPBlock.CIDR and IPBlock.Except is allowed [Feature:NetworkPolicy]",
+	// numbered ports
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy based on Ports [Feature:NetworkPolicy]",
+	// named ports
+	"[sig-network] Netpol NetworkPolicy between server and client should allow ingress access on one named port [Feature:NetworkPolicy]",
+	// egress to a Service in another namespace
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce egress policy allowing traffic to a server in a different namespace based on PodSelector and NamespaceSelector [Feature:NetworkPolicy]",
+	// default deny, each way and both
+	"[sig-network] Netpol NetworkPolicy between server and client should support a 'default-deny-ingress' policy [Feature:NetworkPolicy]",
+	"[sig-network] Netpol NetworkPolicy between server and client should deny egress from all pods in a namespace [Feature:NetworkPolicy]",
+	"[sig-network] Netpol NetworkPolicy between server and client should support a 'default-deny-all' policy [Feature:NetworkPolicy]",
+	// UDP
+	"[sig-network] Netpol [LinuxOnly] NetworkPolicy between server and client using UDP should enforce policy based on Ports [Feature:NetworkPolicy]",
+}
+
+// TestNetworkPolicySuite runs the covering subset of Kubernetes'
+// NetworkPolicy e2e suite on the node (PODFENCE_CONFORMANCE=full: every
+// case, as make conformance does), and prints each case's result and time.
+func TestNetworkPolicySuite(t *testing.T) {
+	n := needNode(t)
+	focus, skip := exactly(suiteSubset), suiteSkip
+	if os.Getenv("PODFENCE_CONFORMANCE") == "full" {
+		focus = suiteFocus
+	}
+	start := time.Now()
+	cases, err := runSuite(n, focus, skip, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	passed := 0
+	for _, c := range cases {
+		verdict := "PASS"
+		if c.Failure != "" {
+			verdict = "FAIL"
+		} else {
+			passed++
+		}
+		t.Logf("%s %6.1fs %s", verdict, c.Seconds, c.Name)
+		if c.Failure != "" {
+			t.Errorf("%s:\n%s", c.Name, c.Failure)
+		}
+	}
+	t.Logf("%d of %d cases passed in %v", passed, len(cases), time.Since(start).Round(time.Second))
+	if os.Getenv("PODFENCE_CONFORMANCE") != "full" && len(cases) != len(suiteSubset) {
+		t.Errorf("ran %d cases, want the subset's %d: a name no longer matches the suite", len(cases), len(suiteSubset))
+	}
+}
+
+// TestSuiteCount derives the suite's size with a dry run: the cases of
+// the feature this node runs.
+func TestSuiteCount(t *testing.T) {
+	n := needNode(t)
+	cases, err := runSuite(n, suiteFocus, suiteSkip, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d NetworkPolicy cases without SCTP connectivity", len(cases))
+	for _, name := range suiteSubset {
+		found := false
+		for _, c := range cases {
+			found = found || c.Name == name
+		}
+		if !found {
+			t.Errorf("the subset's %q is not a case of the suite", name)
+		}
+	}
+}
