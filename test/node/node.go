@@ -373,9 +373,42 @@ func (n *Node) WaitPodfence(timeout time.Duration) error {
 }
 
 // DialContext connects from inside the node's network namespace (to a
-// pod's or a Service's address): a socket keeps the namespace it was made
-// in, so only the connect runs there, on a thread that is thrown away.
+// pod's or a Service's address).
 func (n *Node) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	return dialIn("/proc/"+strconv.Itoa(n.PID)+"/ns/net", ctx, network, addr)
+}
+
+// DialFromPod connects from inside the network namespace of the pod whose
+// UID is uid, as the pod itself would: its source is the pod's address.
+func (n *Node) DialFromPod(ctx context.Context, uid, network, addr string) (net.Conn, error) {
+	pid, err := podProcess(uid)
+	if err != nil {
+		return nil, err
+	}
+	return dialIn("/proc/"+strconv.Itoa(pid)+"/ns/net", ctx, network, addr)
+}
+
+// podProcess finds a process of the pod with uid by its cgroup (the
+// kubelet's cgroupfs driver names it pod<uid>).
+func podProcess(uid string) (int, error) {
+	procs, err := filepath.Glob("/proc/[0-9]*/cgroup")
+	if err != nil {
+		return 0, err
+	}
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil || !strings.Contains(string(b), "/pod"+uid+"/") {
+			continue
+		}
+		return strconv.Atoi(filepath.Base(filepath.Dir(p)))
+	}
+	return 0, fmt.Errorf("no process of pod %s", uid)
+}
+
+// dialIn connects from inside the network namespace at nsPath: a socket
+// keeps the namespace it was made in, so only the connect runs there, on
+// a thread that is thrown away.
+func dialIn(nsPath string, ctx context.Context, network, addr string) (net.Conn, error) {
 	type result struct {
 		c   net.Conn
 		err error
@@ -383,14 +416,14 @@ func (n *Node) DialContext(ctx context.Context, network, addr string) (net.Conn,
 	ch := make(chan result, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread leaves the root namespace
-		f, err := os.Open("/proc/" + strconv.Itoa(n.PID) + "/ns/net")
+		f, err := os.Open(nsPath)
 		if err != nil {
 			ch <- result{nil, err}
 			return
 		}
 		defer f.Close()
 		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			ch <- result{nil, fmt.Errorf("enter the node's namespace: %w", err)}
+			ch <- result{nil, fmt.Errorf("enter %s: %w", nsPath, err)}
 			return
 		}
 		var d net.Dialer

@@ -22,7 +22,7 @@ import (
 
 // clientset is an admin client of the node's API server, from this
 // namespace (through the node's forwarder).
-func clientset(t *testing.T, n *node.Node) *kubernetes.Clientset {
+func clientset(t testing.TB, n *node.Node) *kubernetes.Clientset {
 	t.Helper()
 	cfg, err := clientcmd.BuildConfigFromFlags("", n.Kubeconfig)
 	if err != nil {
@@ -37,7 +37,7 @@ func clientset(t *testing.T, n *node.Node) *kubernetes.Clientset {
 }
 
 // namespace makes a namespace for one test, removed when it ends.
-func namespace(t *testing.T, cs *kubernetes.Clientset, prefix string) string {
+func namespace(t testing.TB, cs *kubernetes.Clientset, prefix string) string {
 	t.Helper()
 	ns, err := cs.CoreV1().Namespaces().Create(context.Background(),
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: prefix + "-"}}, metav1.CreateOptions{})
@@ -56,7 +56,7 @@ func namespace(t *testing.T, cs *kubernetes.Clientset, prefix string) string {
 }
 
 // waitFor polls check until it succeeds or timeout passes.
-func waitFor(t *testing.T, what string, timeout time.Duration, check func() error) {
+func waitFor(t testing.TB, what string, timeout time.Duration, check func() error) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {
@@ -90,7 +90,7 @@ func netexecPod(name string, labels map[string]string) *corev1.Pod {
 }
 
 // runPod creates pod in ns and waits until it is Ready.
-func runPod(t *testing.T, cs *kubernetes.Clientset, ns string, pod *corev1.Pod) *corev1.Pod {
+func runPod(t testing.TB, cs *kubernetes.Clientset, ns string, pod *corev1.Pod) *corev1.Pod {
 	t.Helper()
 	ctx := context.Background()
 	if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {

@@ -3,7 +3,8 @@
 // turned into PolicyEndpoints by the upstream controller, podfence
 // installed from its image and manifest, Services through kube-proxy.
 // One node serves every test of a run; the host is checked to be left as
-// it was found when it goes.
+// it was found when it goes. PODFENCE_NODE_STATE=DIR runs them on a node
+// that runs already (make cluster's), which they leave running.
 package realnode
 
 import (
@@ -45,6 +46,16 @@ func run(m *testing.M) int {
 		skipWhy = kubeapi.ToolsEnv + " is not set: no node to test on (make test builds one)"
 	}
 	if skipWhy != "" {
+		return m.Run()
+	}
+	// A node that runs already (make cluster): used as it is, and left.
+	if state := os.Getenv("PODFENCE_NODE_STATE"); state != "" {
+		n, err := node.Attach(state)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		theNode = n
 		return m.Run()
 	}
 	before, err := node.SnapshotHost()
