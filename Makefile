@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance
+.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance churn latency restarts podstart
 
 all: build
 
@@ -77,6 +77,28 @@ cluster: image
 
 cluster-down:
 	$(GO) run ./hack/cluster down
+
+# The real-node tests' long forms (test/realnode), each on a node of its
+# own (PODFENCE_NODE_STATE=DIR: on make cluster's instead); make test runs
+# their short forms. conformance: every case of Kubernetes' NetworkPolicy
+# suite; churn: 2,000 pods; latency: p50/p99 over 100 policy changes;
+# restarts: five rounds of restarts under traffic; podstart: pod start to
+# Ready with and without podfence in the chain.
+REALNODE = tools=$$(hack/k8s-tools.sh) && PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1
+conformance:
+	$(REALNODE) PODFENCE_CONFORMANCE=full $(GO) test -count=1 -timeout 3h -v -run '^TestNetworkPolicySuite$$' ./test/realnode/
+
+churn:
+	$(REALNODE) PODFENCE_CHURN_ROUNDS=40 $(GO) test -count=1 -timeout 2h -v -run '^TestChurn$$' ./test/realnode/
+
+latency:
+	$(REALNODE) PODFENCE_LATENCY_CHANGES=100 $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^BenchmarkPolicyLatency$$' -benchtime 1x ./test/realnode/
+
+restarts:
+	$(REALNODE) PODFENCE_RESTART_ROUNDS=5 $(GO) test -count=1 -timeout 1h -v -run '^TestRestartsUnderTraffic$$' ./test/realnode/
+
+podstart:
+	$(REALNODE) $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^BenchmarkPodStart$$' -benchtime 1x ./test/realnode/
 
 # TestSoak for SOAK_DURATION (10m); make test runs it for 15 s.
 soak:

@@ -153,3 +153,60 @@ int new_flow(struct __sk_buff *skb)
 	}
 	return TC_ACT_SHOT;
 }
+
+// ---- What judging a pod's egress after Service translation would add ----
+//
+// podfence judges a pod's egress at its veth, before kube-proxy's DNAT: it
+// sees a Service's ClusterIP, not the backend. A judge after the DNAT runs
+// where the packet leaves the node's routing (the backend pod's veth, the
+// node's uplink), one program for every pod, which finds the sending
+// pod's egress policy by the packet's source address: one more lookup, in
+// a map of maps, on a new flow. new_flow_post_dnat is new_flow with that
+// lookup (IPv4; IPv6 the same with 16-byte keys), for
+// BenchmarkPostDNATCost: it is not part of podfence.
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, 1024);
+	__type(key, __u32); // the sending pod's IPv4 address
+	__array(values, struct {
+		__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+		__uint(map_flags, BPF_F_NO_PREALLOC);
+		__uint(max_entries, POLICY_TRIE_ENTRIES);
+		__type(key, struct lpm_key_v4);
+		__type(value, struct policy_value);
+	});
+} egress_by_pod_v4 SEC(".maps");
+
+SEC("tc")
+int new_flow_post_dnat(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	if (ether_type(data, end) != bpf_htons(ETH_P_IP))
+		return TC_ACT_SHOT;
+	struct iphdr *ip = data + sizeof(struct ethhdr);
+	struct l4_ports *p = (void *)(ip + 1);
+	if ((void *)(p + 1) > end)
+		return TC_ACT_SHOT;
+	// The packet leaves the pod: its source is the pod, its destination
+	// the backend the DNAT chose.
+	__u32 pod = ip->saddr;
+	void *trie = bpf_map_lookup_elem(&egress_by_pod_v4, &pod);
+	if (!trie)
+		return TC_ACT_SHOT;
+	struct lpm_key_v4 peer = {.prefixlen = 32};
+	__builtin_memcpy(peer.addr, &ip->daddr, 4);
+	if (!bpf_map_lookup_elem(trie, &peer))
+		return TC_ACT_SHOT;
+	struct ct_key_v4 k = {};
+	__builtin_memcpy(k.src, &ip->saddr, 4);
+	__builtin_memcpy(k.dst, &ip->daddr, 4);
+	k.ifindex = skb->ifindex;
+	k.sport = bpf_ntohs(p->sport);
+	k.dport = bpf_ntohs(p->dport);
+	k.proto = ip->protocol;
+	struct ct_value nv = {.last_seen_ns = now_ns(), .generation = generation()};
+	bpf_map_update_elem(&ct_v4, &k, &nv, BPF_ANY);
+	return TC_ACT_UNSPEC;
+}

@@ -88,15 +88,17 @@ type boundPolicyValue struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	boundMapCtV4        = "ct_v4"
-	boundMapCtV6        = "ct_v6"
-	boundMapPolInV4     = "pol_in_v4"
-	boundMapPolInV6     = "pol_in_v6"
-	boundMapState       = "state"
-	boundMapTickClock   = "tick_clock"
-	boundProgCtHit      = "ct_hit"
-	boundProgNewFlow    = "new_flow"
-	boundVarCoarseClock = "coarse_clock"
+	boundMapCtV4             = "ct_v4"
+	boundMapCtV6             = "ct_v6"
+	boundMapEgressByPodV4    = "egress_by_pod_v4"
+	boundMapPolInV4          = "pol_in_v4"
+	boundMapPolInV6          = "pol_in_v6"
+	boundMapState            = "state"
+	boundMapTickClock        = "tick_clock"
+	boundProgCtHit           = "ct_hit"
+	boundProgNewFlow         = "new_flow"
+	boundProgNewFlowPostDnat = "new_flow_post_dnat"
+	boundVarCoarseClock      = "coarse_clock"
 )
 
 // loadBound returns the embedded CollectionSpec for bound.
@@ -141,20 +143,22 @@ type boundSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundProgramSpecs struct {
-	CtHit   *ebpf.ProgramSpec `ebpf:"ct_hit"`
-	NewFlow *ebpf.ProgramSpec `ebpf:"new_flow"`
+	CtHit           *ebpf.ProgramSpec `ebpf:"ct_hit"`
+	NewFlow         *ebpf.ProgramSpec `ebpf:"new_flow"`
+	NewFlowPostDnat *ebpf.ProgramSpec `ebpf:"new_flow_post_dnat"`
 }
 
 // boundMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundMapSpecs struct {
-	CtV4      *ebpf.MapSpec `ebpf:"ct_v4"`
-	CtV6      *ebpf.MapSpec `ebpf:"ct_v6"`
-	PolInV4   *ebpf.MapSpec `ebpf:"pol_in_v4"`
-	PolInV6   *ebpf.MapSpec `ebpf:"pol_in_v6"`
-	State     *ebpf.MapSpec `ebpf:"state"`
-	TickClock *ebpf.MapSpec `ebpf:"tick_clock"`
+	CtV4          *ebpf.MapSpec `ebpf:"ct_v4"`
+	CtV6          *ebpf.MapSpec `ebpf:"ct_v6"`
+	EgressByPodV4 *ebpf.MapSpec `ebpf:"egress_by_pod_v4"`
+	PolInV4       *ebpf.MapSpec `ebpf:"pol_in_v4"`
+	PolInV6       *ebpf.MapSpec `ebpf:"pol_in_v6"`
+	State         *ebpf.MapSpec `ebpf:"state"`
+	TickClock     *ebpf.MapSpec `ebpf:"tick_clock"`
 }
 
 // boundVariableSpecs contains global variables before they are loaded into the kernel.
@@ -184,18 +188,20 @@ func (o *boundObjects) Close() error {
 //
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundMaps struct {
-	CtV4      *ebpf.Map `ebpf:"ct_v4"`
-	CtV6      *ebpf.Map `ebpf:"ct_v6"`
-	PolInV4   *ebpf.Map `ebpf:"pol_in_v4"`
-	PolInV6   *ebpf.Map `ebpf:"pol_in_v6"`
-	State     *ebpf.Map `ebpf:"state"`
-	TickClock *ebpf.Map `ebpf:"tick_clock"`
+	CtV4          *ebpf.Map `ebpf:"ct_v4"`
+	CtV6          *ebpf.Map `ebpf:"ct_v6"`
+	EgressByPodV4 *ebpf.Map `ebpf:"egress_by_pod_v4"`
+	PolInV4       *ebpf.Map `ebpf:"pol_in_v4"`
+	PolInV6       *ebpf.Map `ebpf:"pol_in_v6"`
+	State         *ebpf.Map `ebpf:"state"`
+	TickClock     *ebpf.Map `ebpf:"tick_clock"`
 }
 
 func (m *boundMaps) Close() error {
 	return _BoundClose(
 		m.CtV4,
 		m.CtV6,
+		m.EgressByPodV4,
 		m.PolInV4,
 		m.PolInV6,
 		m.State,
@@ -214,14 +220,16 @@ type boundVariables struct {
 //
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundPrograms struct {
-	CtHit   *ebpf.Program `ebpf:"ct_hit"`
-	NewFlow *ebpf.Program `ebpf:"new_flow"`
+	CtHit           *ebpf.Program `ebpf:"ct_hit"`
+	NewFlow         *ebpf.Program `ebpf:"new_flow"`
+	NewFlowPostDnat *ebpf.Program `ebpf:"new_flow_post_dnat"`
 }
 
 func (p *boundPrograms) Close() error {
 	return _BoundClose(
 		p.CtHit,
 		p.NewFlow,
+		p.NewFlowPostDnat,
 	)
 }
 

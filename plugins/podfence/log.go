@@ -3,6 +3,7 @@ package main
 import (
 	"log/slog"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -41,11 +42,13 @@ func (c *call) mark(phase string) {
 	c.last = now
 }
 
-// startCall opens the log. Logging never fails a call: without a writable
-// logFile the line is dropped (stdout carries the CNI result).
+// startCall opens the log, making its directory on a node that has none
+// yet. Logging never fails a call: without a writable logFile the line is
+// dropped (stdout carries the CNI result).
 func startCall(conf *PluginConf, cmd string, args *skel.CmdArgs) *call {
 	c := &call{cmd: cmd, container: args.ContainerID, ifname: args.IfName, start: time.Now()}
 	if conf.LogFile != "" {
+		_ = os.MkdirAll(filepath.Dir(conf.LogFile), 0o750)
 		if f, err := os.OpenFile(conf.LogFile, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640); err == nil {
 			c.log = slog.New(slog.NewJSONHandler(f, &slog.HandlerOptions{Level: conf.logLevel}))
 		}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/podfence/podfence/test/builds"
 	"github.com/podfence/podfence/test/kernel"
 )
 
@@ -19,7 +20,7 @@ import (
 // Run it with -benchtime=1x (hack/bench.sh does).
 func BenchmarkUpgrade(b *testing.B) {
 	kernel.RequireRoot(b)
-	next := buildNextLayout(b)
+	next := builds.NextLayout(b)
 	for _, mode := range attachModes(b) {
 		b.Run(mode, func(b *testing.B) {
 			for range b.N {

@@ -1,11 +1,8 @@
 package e2e
 
 import (
-	"bytes"
 	"fmt"
 	"net/netip"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -18,51 +15,8 @@ import (
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/test/builds"
 )
-
-// previousBuild is the last commit of layout 1, the build before the
-// source check: the build every node ran until this layout.
-const (
-	previousBuild       = "f9c911c0958f40e88f68041efdfe43ff56b127ee"
-	previousLayout      = 1
-	previousReasonCount = 11
-)
-
-// buildPrevious builds podfence and podfence-sweeper of previousBuild from
-// this clone's history (its generated datapath is committed, so no clang),
-// and returns the directory that holds them.
-func buildPrevious(t testing.TB) string {
-	t.Helper()
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	src, out := t.TempDir(), t.TempDir()
-	archive := exec.Command("git", "-C", root, "archive", "--format=tar", previousBuild)
-	var tarball, stderr bytes.Buffer
-	archive.Stdout, archive.Stderr = &tarball, &stderr
-	if err := archive.Run(); err != nil {
-		t.Fatalf("git archive %s: %v: %s (the take-over test needs a clone with the history of layout %d's last build)",
-			previousBuild, err, stderr.Bytes(), previousLayout)
-	}
-	untar := exec.Command("tar", "-x", "-C", src)
-	untar.Stdin = &tarball
-	if b, err := untar.CombinedOutput(); err != nil {
-		t.Fatalf("untar %s: %v: %s", previousBuild, err, b)
-	}
-	for _, args := range [][]string{
-		{"build", "-o", filepath.Join(out, "podfence"), "./plugins/podfence"},
-		{"build", "-o", filepath.Join(out, "podfence-sweeper"), "./sweeper"},
-	} {
-		cmd := exec.Command("go", args...)
-		cmd.Dir = src
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go %v of %s: %v: %s", args, previousBuild, err, b)
-		}
-	}
-	return out
-}
 
 // TestUpgradeFromPreviousLayout: a node of the build before the source
 // check (layout 1: no sources map, counters of 11 reasons) carries live
@@ -75,7 +29,7 @@ func buildPrevious(t testing.TB) string {
 // spoofed among them); and the moved members are held to their own
 // addresses from then on.
 func TestUpgradeFromPreviousLayout(t *testing.T) {
-	prev := buildPrevious(t)
+	prev := builds.Previous(t)
 	for _, mode := range attachModes(t) {
 		t.Run(mode, func(t *testing.T) { testUpgradeFromPrevious(t, mode, prev) })
 	}
@@ -88,8 +42,8 @@ func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
 	web2 := c.addPod(webReplicas[1], "default")
 	webID, clientID, strangerID := podid.ID("web-7f65cc6544@default"), podid.ID("client@default"), podid.ID("stranger@default")
 	ids := []podid.ID{webID, clientID, strangerID}
-	if m := readMarker(t, pinpath.Root(c.pinRoot).Global()); m != fmt.Sprintf("v%d", previousLayout) {
-		t.Fatalf("the previous build wrote global marker %q, want v%d", m, previousLayout)
+	if m := readMarker(t, pinpath.Root(c.pinRoot).Global()); m != fmt.Sprintf("v%d", builds.PreviousLayout) {
+		t.Fatalf("the previous build wrote global marker %q, want v%d", m, builds.PreviousLayout)
 	}
 
 	traffic := startTraffic(t, client, stranger, 2)
@@ -120,7 +74,7 @@ func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
 			t.Fatal(err)
 		}
 		for d := range 2 {
-			for r := range bpf.Reason(previousReasonCount) {
+			for r := range bpf.Reason(builds.PreviousReasonCount) {
 				if info.Counters[d][r] < before[id][d][r] {
 					t.Errorf("%s: counter %s of direction %d went from %d to %d: counters were moved to other reasons",
 						id, r, d, before[id][d][r], info.Counters[d][r])
@@ -162,14 +116,14 @@ func previousCounters(t *testing.T, c *cluster, id podid.ID) bpf.Counters {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	if m.MaxEntries() != 2*previousReasonCount {
-		t.Fatalf("%s: counters of %d entries, want the previous layout's %d", id, m.MaxEntries(), 2*previousReasonCount)
+	if m.MaxEntries() != 2*builds.PreviousReasonCount {
+		t.Fatalf("%s: counters of %d entries, want the previous layout's %d", id, m.MaxEntries(), 2*builds.PreviousReasonCount)
 	}
 	var out bpf.Counters
 	for d := range 2 {
-		for r := range previousReasonCount {
+		for r := range builds.PreviousReasonCount {
 			var perCPU []uint64
-			if err := m.Lookup(uint32(d*previousReasonCount+r), &perCPU); err != nil {
+			if err := m.Lookup(uint32(d*builds.PreviousReasonCount+r), &perCPU); err != nil {
 				t.Fatal(err)
 			}
 			for _, v := range perCPU {

@@ -21,68 +21,8 @@ import (
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/builds"
 )
-
-// nextLayoutEdits turn this module's datapath into the next layout's: the
-// policy tries get twice the capacity, so every identifier's tries are maps
-// of another size and its programs another build's, and the layout version
-// goes up by one.
-var nextLayoutEdits = []struct{ file, old, new string }{
-	{"bpf/maps.h", "#define POLICY_TRIE_ENTRIES 16384", "#define POLICY_TRIE_ENTRIES 32768"},
-	{"bpf/layout.go", "trieCapacity = uint32(16384)", "trieCapacity = uint32(32768)"},
-	{"bpf/version.go", fmt.Sprintf("const LayoutVersion = %d\n", bpf.LayoutVersion), fmt.Sprintf("const LayoutVersion = %d\n", bpf.LayoutVersion+1)},
-}
-
-const nextTrieCapacity = 32768
-
-// buildNextLayout builds podfence and podfence-sweeper from a copy of this
-// module with nextLayoutEdits, regenerating the datapath object with clang
-// the way make generate does, and returns the directory that holds them.
-func buildNextLayout(t testing.TB) string {
-	t.Helper()
-	if _, err := exec.LookPath("clang"); err != nil {
-		t.Fatal("clang is needed to build the next layout's datapath (hack/deps.sh installs it)")
-	}
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	src, out := t.TempDir(), t.TempDir()
-	if err := os.MkdirAll(filepath.Join(src, "hack"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []string{"go.mod", "go.sum", "bpf", "pkg", "plugins", "sweeper", "hack/bpf2go.sh"} {
-		if b, err := exec.Command("cp", "-a", filepath.Join(root, p), filepath.Join(src, p)).CombinedOutput(); err != nil {
-			t.Fatalf("copy %s: %v: %s", p, err, b)
-		}
-	}
-	for _, e := range nextLayoutEdits {
-		path := filepath.Join(src, e.file)
-		b, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if n := strings.Count(string(b), e.old); n != 1 {
-			t.Fatalf("%s has %q %d times, not once: nextLayoutEdits no longer fit the source", e.file, e.old, n)
-		}
-		if err := os.WriteFile(path, []byte(strings.Replace(string(b), e.old, e.new, 1)), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, args := range [][]string{
-		{"generate", "./bpf"},
-		{"build", "-o", filepath.Join(out, "podfence"), "./plugins/podfence"},
-		{"build", "-o", filepath.Join(out, "podfence-sweeper"), "./sweeper"},
-	} {
-		cmd := exec.Command("go", args...)
-		cmd.Dir = src
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go %v in the next layout's copy: %v: %s", args, err, b)
-		}
-	}
-	return out
-}
 
 // TestUpgrade: pods of this build carry live traffic through a service VIP
 // while the next layout's plugin adds a backend replica, which moves the
@@ -97,7 +37,7 @@ func buildNextLayout(t testing.TB) string {
 // tries are freed. Then this build, now the older one, refuses the pins
 // clearly and changes nothing.
 func TestUpgrade(t *testing.T) {
-	next := buildNextLayout(t)
+	next := builds.NextLayout(t)
 	for _, mode := range attachModes(t) {
 		t.Run(mode, func(t *testing.T) { testUpgrade(t, mode, next) })
 	}
@@ -194,8 +134,8 @@ func testUpgrade(t *testing.T, mode, next string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if trie.MaxEntries() != nextTrieCapacity {
-			t.Errorf("%s: trie of %d entries, want the next layout's %d", id, trie.MaxEntries(), nextTrieCapacity)
+		if trie.MaxEntries() != builds.NextTrieCapacity {
+			t.Errorf("%s: trie of %d entries, want the next layout's %d", id, trie.MaxEntries(), builds.NextTrieCapacity)
 		}
 		trie.Close()
 	}

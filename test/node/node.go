@@ -116,8 +116,9 @@ type state struct {
 }
 
 const (
-	superviseEnv = "PODFENCE_NODE_SUPERVISE"
-	stateFile    = "node.json"
+	superviseEnv  = "PODFENCE_NODE_SUPERVISE"
+	stateFile     = "node.json"
+	controlSocket = "control.sock"
 )
 
 // MaybeSupervise runs the supervisor when this process was started as one
@@ -440,6 +441,23 @@ func (n *Node) Apply(manifest string) error {
 	cmd.Stdin = strings.NewReader(manifest)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("kubectl apply: %w: %s", err, out)
+	}
+	return nil
+}
+
+// Restart restarts one of the node's components (kubelet, containerd,
+// kube-proxy, ...) as a service manager would: stopped with SIGTERM, then
+// started again with the same arguments. Its pods keep running.
+func (n *Node) Restart(component string) error {
+	c, err := net.Dial("unix", filepath.Join(n.State, controlSocket))
+	if err != nil {
+		return fmt.Errorf("node: %w", err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "restart %s\n", component)
+	line, _ := bufio.NewReader(c).ReadString('\n')
+	if strings.TrimSpace(line) != "ok" {
+		return fmt.Errorf("node: restart %s: %s", component, strings.TrimSpace(line))
 	}
 	return nil
 }

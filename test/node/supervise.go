@@ -1,6 +1,7 @@
 package node
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -40,6 +41,8 @@ type supervisor struct {
 // component is one started process.
 type component struct {
 	name string
+	bin  string
+	args []string
 	cmd  *exec.Cmd
 	done chan struct{}
 }
@@ -63,6 +66,7 @@ func supervise(opts Options) int {
 		return 1
 	}
 	s.log.Printf("ready in %v", time.Since(start).Round(time.Millisecond))
+	go s.control()
 	fmt.Fprintln(ready, "ready")
 	ready.Close()
 	<-sig
@@ -280,21 +284,31 @@ func (s *supervisor) cgroups() error {
 	return nil
 }
 
-// hierarchies are the cgroup v1 mount points.
+// hierarchies are the cgroup mount points below /sys/fs/cgroup: the v1
+// hierarchies, and the v2 one a hybrid host mounts beside them (the
+// kubelet makes its cgroups there too).
 func hierarchies() ([]string, error) {
 	entries, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
 		return nil, err
 	}
 	var out []string
+	v1 := 0
 	for _, e := range entries {
 		p := filepath.Join("/sys/fs/cgroup", e.Name())
 		var st unix.Statfs_t
-		if e.IsDir() && unix.Statfs(p, &st) == nil && st.Type == unix.CGROUP_SUPER_MAGIC {
+		if !e.IsDir() || unix.Statfs(p, &st) != nil {
+			continue
+		}
+		switch st.Type {
+		case unix.CGROUP_SUPER_MAGIC:
+			v1++
+			out = append(out, p)
+		case unix.CGROUP2_SUPER_MAGIC:
 			out = append(out, p)
 		}
 	}
-	if len(out) == 0 {
+	if v1 == 0 {
 		return nil, errors.New("no cgroup v1 hierarchy under /sys/fs/cgroup")
 	}
 	return out, nil
@@ -434,7 +448,7 @@ func (s *supervisor) start(name, bin string, args ...string) (*component, error)
 		logf.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
-	c := &component{name: name, cmd: cmd, done: make(chan struct{})}
+	c := &component{name: name, bin: bin, args: args, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		err := cmd.Wait()
 		logf.Close()
@@ -557,4 +571,64 @@ func (s *supervisor) isComponent(pid string) bool {
 		}
 	}
 	return false
+}
+
+// control serves Node.Restart on the state directory's control socket:
+// one line "restart NAME", answered "ok" or "error: ...".
+func (s *supervisor) control() {
+	ln, err := net.Listen("unix", s.path(controlSocket))
+	if err != nil {
+		s.log.Printf("control socket: %v", err)
+		return
+	}
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			line, _ := bufio.NewReader(c).ReadString('\n')
+			cmd, name, _ := strings.Cut(strings.TrimSpace(line), " ")
+			err := fmt.Errorf("unknown command %q", cmd)
+			if cmd == "restart" {
+				err = s.restart(name)
+			}
+			if err != nil {
+				fmt.Fprintf(c, "error: %v\n", err)
+				return
+			}
+			fmt.Fprintln(c, "ok")
+		}()
+	}
+}
+
+// restart stops a component as down does and starts it again with the
+// same arguments, as a node's service manager restarts a service.
+func (s *supervisor) restart(name string) error {
+	s.cgmu.Lock()
+	defer s.cgmu.Unlock()
+	for i, c := range s.procs {
+		if c.name != name {
+			continue
+		}
+		s.log.Printf("restarting %s", name)
+		c.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-c.done:
+		case <-time.After(10 * time.Second):
+			c.cmd.Process.Kill()
+			<-c.done
+		}
+		n := len(s.procs)
+		nc, err := s.start(c.name, c.bin, c.args...)
+		if err != nil {
+			return err
+		}
+		// start appended it: it takes the old one's place in the order.
+		s.procs = append(s.procs[:n], s.procs[n+1:]...)
+		s.procs[i] = nc
+		return nil
+	}
+	return fmt.Errorf("no component %q", name)
 }

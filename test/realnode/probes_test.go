@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"strings"
 	"testing"
 	"time"
 
@@ -77,6 +76,13 @@ func ready(p *corev1.Pod) bool {
 // as an operator would, until the test ends: ADDs after it use it.
 func setEnforcingMode(t *testing.T, n *node.Node, mode string) {
 	t.Helper()
+	editPodfenceEntry(t, n, func(e map[string]any) { e["enforcingMode"] = mode })
+}
+
+// editPodfenceEntry changes podfence's entry of the node's conflist until
+// the test ends.
+func editPodfenceEntry(t *testing.T, n *node.Node, edit func(map[string]any)) {
+	t.Helper()
 	const path = "/etc/cni/net.d/10-aws.conflist"
 	before, err := n.Exec("cat", path).Output()
 	if err != nil {
@@ -87,18 +93,11 @@ func setEnforcingMode(t *testing.T, n *node.Node, mode string) {
 		t.Fatal(err)
 	}
 	plugins := conf["plugins"].([]any)
-	plugins[len(plugins)-1].(map[string]any)["enforcingMode"] = mode
+	edit(plugins[len(plugins)-1].(map[string]any))
 	after, err := json.MarshalIndent(conf, "", "  ")
 	if err != nil {
 		t.Fatal(err)
 	}
-	write := func(b []byte) error {
-		cmd := n.Exec("sh", "-c", "cat > "+path+".tmp && mv "+path+".tmp "+path)
-		cmd.Stdin = strings.NewReader(string(b))
-		return cmd.Run()
-	}
-	if err := write(after); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { write(before) })
+	writeConflist(t, n, string(after))
+	t.Cleanup(func() { writeConflist(t, n, string(before)) })
 }

@@ -1,0 +1,190 @@
+package realnode
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/test/node"
+)
+
+// TestChurn is the seed system's leak test, larger: a Deployment scaled
+// between 0 and 50 replicas (4 times here: 200 pods; PODFENCE_CHURN_ROUNDS
+// sets it, make churn runs 40: 2,000 pods), all replicas sharing one pod
+// identifier. Afterwards nothing of podfence is left beyond the running
+// pods' identifiers and the node's global maps, and the plugin's ADD and
+// DEL take as long at the end as at the start (p50 of the last tenth
+// within 1.2 times the first tenth's, from the plugin's own log).
+func TestChurn(t *testing.T) {
+	n := needNode(t)
+	rounds := 4
+	if v, err := strconv.Atoi(os.Getenv("PODFENCE_CHURN_ROUNDS")); err == nil && v > 0 {
+		rounds = v
+	}
+	const replicas = 50
+	setPluginLog(t, n, "/var/log/podfence/churn.log")
+	cs := clientset(t, n)
+	ns := namespace(t, cs, "churn")
+	ctx := context.Background()
+	labels := map[string]string{"app": "churn"}
+	dep := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: "churn"},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: new(int32),
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{
+					TerminationGracePeriodSeconds: new(int64),
+					Containers: []corev1.Container{{Name: "pause", Image: node.AgnhostImage,
+						ImagePullPolicy: corev1.PullIfNotPresent, Args: []string{"pause"}}},
+				},
+			},
+		},
+	}
+	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	for r := range rounds {
+		for _, want := range []int32{replicas, 0} {
+			scale(t, cs, ns, "churn", want)
+		}
+		t.Logf("round %d: %d pods so far, %v", r+1, (r+1)*replicas, time.Since(start).Round(time.Second))
+	}
+
+	// What is left of podfence is the running pods'.
+	pods, err := cs.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]bool{}
+	for _, p := range pods.Items {
+		if p.Spec.HostNetwork || p.DeletionTimestamp != nil {
+			continue
+		}
+		if id, err := podid.FromPod(p.Name, p.Namespace); err == nil {
+			want[string(id)] = true
+		}
+	}
+	// A pod's object goes when its containers have stopped; its sandbox's
+	// teardown (the CNI DEL) may finish a moment later.
+	var extra []string
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, err := n.Exec("ls", "/sys/fs/bpf/podfence/ids").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		extra = extra[:0]
+		for _, id := range strings.Fields(string(out)) {
+			if !want[id] {
+				extra = append(extra, id)
+			}
+		}
+		if len(extra) == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Second)
+	}
+	for _, id := range extra {
+		t.Errorf("pins of identifier %s, which no running pod has, 30 s after its last pod went", id)
+	}
+	if out, err := n.Exec("ls", "/sys/fs/bpf/podfence/global").Output(); err != nil || !strings.Contains(string(out), "ct_v4") {
+		t.Errorf("the node's global maps: %q, %v", out, err)
+	}
+
+	// The plugin's ADD and DEL keep their speed.
+	log, err := n.Exec("cat", "/var/log/podfence/churn.log").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cmd := range []string{"ADD", "DEL"} {
+		d := durations(log, cmd)
+		if len(d) < 10*rounds {
+			t.Errorf("%d %ss in the plugin's log, want %d or more", len(d), cmd, 2*replicas*rounds/2)
+			continue
+		}
+		tenth := len(d) / 10
+		first, last := p50(d[:tenth]), p50(d[len(d)-tenth:])
+		t.Logf("%s p50: first tenth %.1f ms, last tenth %.1f ms (%d calls)", cmd, first, last, len(d))
+		if last > 1.2*first {
+			t.Errorf("%s p50 grew from %.1f ms to %.1f ms over the run", cmd, first, last)
+		}
+	}
+}
+
+// scale sets the Deployment's replicas and waits until that many pods are
+// Ready and no other remains.
+func scale(t testing.TB, cs *kubernetes.Clientset, ns, name string, replicas int32) {
+	t.Helper()
+	ctx := context.Background()
+	s, err := cs.AppsV1().Deployments(ns).GetScale(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Spec.Replicas = replicas
+	if _, err := cs.AppsV1().Deployments(ns).UpdateScale(ctx, name, s, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, fmt.Sprintf("%d replicas of %s", replicas, name), 5*time.Minute, func() error {
+		pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=" + name})
+		if err != nil {
+			return err
+		}
+		readyPods := 0
+		for _, p := range pods.Items {
+			if ready(&p) {
+				readyPods++
+			}
+		}
+		if readyPods != int(replicas) || len(pods.Items) != int(replicas) {
+			return fmt.Errorf("%d pods, %d ready", len(pods.Items), readyPods)
+		}
+		return nil
+	})
+}
+
+// durations are the plugin's call durations of cmd, in log order, in ms.
+func durations(log []byte, cmd string) []float64 {
+	var out []float64
+	sc := bufio.NewScanner(strings.NewReader(string(log)))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var line struct {
+			Cmd      string  `json:"cmd"`
+			Duration float64 `json:"duration_ms"`
+			Error    string  `json:"error"`
+		}
+		if json.Unmarshal(sc.Bytes(), &line) == nil && line.Cmd == cmd && line.Error == "" {
+			out = append(out, line.Duration)
+		}
+	}
+	return out
+}
+
+func p50(d []float64) float64 {
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// setPluginLog has the plugin log its calls to path for the rest of the
+// test (a key of its conflist entry, as an operator would set it).
+func setPluginLog(t *testing.T, n *node.Node, path string) {
+	t.Helper()
+	editPodfenceEntry(t, n, func(e map[string]any) { e["logFile"] = path })
+}
