@@ -162,3 +162,35 @@ func TestControllerOutput(t *testing.T) {
 		})
 	}
 }
+
+// TestChunksOfOnePolicy: the controller packs a policy's rules and the
+// pods it selects into chunks independently, so a chunk may hold rules and
+// no pod (seen on the real node with 500 peers). Every chunk of a policy
+// (the same spec.policyRef) applies to the pods any of them selects; a
+// chunk of another policy does not.
+func TestChunksOfOnePolicy(t *testing.T) {
+	chunk := func(policy, pod, cidr string) string {
+		s := header + "spec:\n  policyRef: {name: " + policy + ", namespace: default}\n  podIsolation: [Ingress]\n"
+		if pod != "" {
+			s += "  podSelectorEndpoints: [{name: " + pod + ", namespace: default}]\n"
+		}
+		return s + "  ingress: [{cidr: '" + cidr + "'}]\n"
+	}
+	docs, err := Parse(strings.NewReader(chunk("many", "web-0", "10.1.0.1")+"---\n"+chunk("many", "", "10.1.0.2")+
+		"---\n"+chunk("many", "", "10.1.0.3")+"---\n"+chunk("other", "", "10.9.0.9")), "x")
+	if err != nil || Strict(docs) != nil {
+		t.Fatal(err, Strict(docs))
+	}
+	set := ForIdentifier(docs, "web-0@default", ModeStandard)
+	for addr, want := range map[string]bool{"10.1.0.1": true, "10.1.0.2": true, "10.1.0.3": true, "10.9.0.9": false} {
+		if got := set.Ingress.Allows(netip.MustParseAddr(addr), 6, 80); got != want {
+			t.Errorf("%s: allowed %v, want %v", addr, got, want)
+		}
+	}
+	if e := Explain(docs, "web-0@default", ModeStandard, Ingress, netip.MustParseAddr("10.1.0.3"), 6, 80); len(e.Allowing) != 1 || e.Allowing[0].Source != "x#2" {
+		t.Errorf("Explain names %+v, want the third chunk's rule", e.Allowing)
+	}
+	if set := ForIdentifier(docs, "db-0@default", ModeStandard); set.Selected {
+		t.Errorf("a pod no chunk selects: %+v", set)
+	}
+}

@@ -95,7 +95,14 @@ type Document struct {
 	Name, Namespace string // metadata
 	// ChangedAt is when the controller last changed the document
 	// (ChangeTimeAnnotation), zero when it does not say.
-	ChangedAt       time.Time
+	ChangedAt time.Time
+	// Policy names the NetworkPolicy the document is a chunk of
+	// (spec.policyRef, "namespace/name"), empty when it names none. The
+	// controller packs a policy's rules and its selected pods into
+	// chunks of at most 200 entries each, independently: a chunk may hold
+	// rules and no pod. Every chunk of a policy applies to the pods any
+	// of them selects (see ForIdentifier).
+	Policy          string
 	Selects         []Endpoint
 	IsolateIngress  bool
 	IsolateEgress   bool
@@ -443,10 +450,11 @@ func salvage(chunk []byte, src string, err error) Document {
 		return doc
 	}
 	part := Document{Source: src}
-	if part.parseIsolation(spec) != nil || part.parseSelects(spec) != nil {
+	if part.parseIsolation(spec) != nil || part.parseSelects(spec) != nil || part.parsePolicyRef(spec) != nil {
 		return doc
 	}
 	doc.Selects, doc.IsolateIngress, doc.IsolateEgress = part.Selects, part.IsolateIngress, part.IsolateEgress
+	doc.Policy = part.Policy
 	doc.Fallback = FallbackIsolation
 	return doc
 }
@@ -580,6 +588,9 @@ func (doc *Document) parseSpec(raw json.RawMessage) error {
 	if err := doc.parseSelects(spec); err != nil {
 		return err
 	}
+	if err := doc.parsePolicyRef(spec); err != nil {
+		return err
+	}
 	if doc.Ingress, err = doc.parseRules(spec, "ingress"); err != nil {
 		return err
 	}
@@ -592,6 +603,28 @@ func (doc *Document) ignoreUnknown(o object, known []string) {
 	for _, k := range o.unknown(known) {
 		doc.Notes = append(doc.Notes, Note{Field: o.field(k), What: "unknown field, ignored (known: " + strings.Join(known, ", ") + ")"})
 	}
+}
+
+// parsePolicyRef reads spec.policyRef, which ties a chunk to its policy.
+func (doc *Document) parsePolicyRef(spec object) error {
+	raw, ok := spec.raw("policyRef")
+	if !ok {
+		return nil
+	}
+	ref, err := newObject(doc.Source, "spec.policyRef", raw)
+	if err != nil {
+		return err
+	}
+	name, err := ref.str("name", true)
+	if err != nil {
+		return err
+	}
+	ns, err := ref.str("namespace", false)
+	if err != nil {
+		return err
+	}
+	doc.Policy = ns + "/" + name
+	return nil
 }
 
 func (doc *Document) parseIsolation(spec object) error {

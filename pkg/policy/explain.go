@@ -46,12 +46,12 @@ func Explain(docs []Document, id podid.ID, mode Mode, d Direction, addr netip.Ad
 	e := Explanation{Isolated: set.Direction(d).Isolated, Documents: append([]string{}, set.Sources...),
 		Allowing: []RuleRef{}, Near: []RuleRef{}, NotAsWritten: set.Problems}
 	addr = addr.Unmap().WithZone("")
-	for _, doc := range docs {
+	for _, doc := range Selecting(docs, id) {
 		isolates, rules := doc.IsolateIngress, doc.Ingress
 		if d == Egress {
 			isolates, rules = doc.IsolateEgress, doc.Egress
 		}
-		if !isolates || !selects(doc, id) {
+		if !isolates {
 			continue
 		}
 		for i, r := range rules {

@@ -149,7 +149,7 @@ func TestParseFile(t *testing.T) {
 	}
 	want := []Document{
 		{
-			Source: "testdata/web.yaml#0", Name: "web-allow-xk2pq", Namespace: "default",
+			Source: "testdata/web.yaml#0", Name: "web-allow-xk2pq", Namespace: "default", Policy: "default/web-allow",
 			Selects:        []Endpoint{{"web-7f65cc6544-9j58r", "default"}, {"web-7f65cc6544-x2k4p", "default"}},
 			IsolateIngress: true, IsolateEgress: true,
 			Ingress: []Rule{

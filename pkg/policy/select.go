@@ -107,8 +107,10 @@ func (s *Set) Direction(d Direction) *DirectionPolicy {
 // ForIdentifier computes the Set of id: the documents with a
 // podSelectorEndpoints entry whose pod maps to id are selected (entries whose
 // pod name is not a valid Kubernetes name select nothing; they cannot belong
-// to a running pod). A direction is isolated if any selected document lists
-// it in podIsolation, and its rules are the rules of that direction of the
+// to a running pod), and with them every other chunk of their policy
+// (Document.Policy): the controller may put a policy's rules in chunks that
+// name no pod. A direction is isolated if any selected document lists it in
+// podIsolation, and its rules are the rules of that direction of the
 // selected documents that isolate it, concatenated. A document's rules for a
 // direction it does not isolate count for nothing, as in Kubernetes, where a
 // NetworkPolicy's egress rules are ignored unless its policyTypes include
@@ -120,10 +122,7 @@ func (s *Set) Direction(d Direction) *DirectionPolicy {
 // share memory with docs.
 func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
 	s := Set{Mode: mode}
-	for _, d := range docs {
-		if !selects(d, id) {
-			continue
-		}
+	for _, d := range Selecting(docs, id) {
 		s.Selected = true
 		s.Sources = append(s.Sources, d.Source)
 		s.Problems = append(s.Problems, d.Report()...)
@@ -140,6 +139,24 @@ func ForIdentifier(docs []Document, id podid.ID, mode Mode) Set {
 		s.Ingress.Isolated, s.Egress.Isolated = true, true
 	}
 	return s
+}
+
+// Selecting are the documents that apply to id, in order: those that
+// select it, and every chunk of the same policy.
+func Selecting(docs []Document, id podid.ID) []Document {
+	policies := map[string]bool{}
+	for _, d := range docs {
+		if d.Policy != "" && selects(d, id) {
+			policies[d.Policy] = true
+		}
+	}
+	var out []Document
+	for _, d := range docs {
+		if policies[d.Policy] || d.Policy == "" && selects(d, id) {
+			out = append(out, d)
+		}
+	}
+	return out
 }
 
 func selects(d Document, id podid.ID) bool {

@@ -239,9 +239,22 @@ func (m *Mirror) reconcile() (Report, error) {
 	rep := Report{Objects: len(objs)}
 	want := make(map[string][]byte, len(m.written))
 	seen := make(map[string]bool, len(m.rendered))
+	// A policy's chunks select pods independently of the rules they hold:
+	// every chunk of a policy that selects a pod here is this node's.
+	policies := map[string]bool{}
+	for _, obj := range objs {
+		if u, ok := obj.(*unstructured.Unstructured); ok && SelectsNode(u, addrs) {
+			if ref := policyRef(u); ref != "" {
+				policies[ref] = true
+			}
+		}
+	}
 	for _, obj := range objs {
 		u, ok := obj.(*unstructured.Unstructured)
-		if !ok || !SelectsNode(u, addrs) {
+		if !ok {
+			continue
+		}
+		if ref := policyRef(u); !SelectsNode(u, addrs) && (ref == "" || !policies[ref]) {
 			continue
 		}
 		name := FileName(u.GetNamespace(), u.GetName())
@@ -337,6 +350,17 @@ func SelectsNode(pe *unstructured.Unstructured, addrs []netip.Addr) bool {
 		}
 	}
 	return false
+}
+
+// policyRef is the policy a PolicyEndpoint is a chunk of
+// ("namespace/name"), empty when it names none.
+func policyRef(pe *unstructured.Unstructured) string {
+	name, _, _ := unstructured.NestedString(pe.Object, "spec", "policyRef", "name")
+	ns, _, _ := unstructured.NestedString(pe.Object, "spec", "policyRef", "namespace")
+	if name == "" {
+		return ""
+	}
+	return ns + "/" + name
 }
 
 // Render is the document the mirror writes for pe: its type, name,

@@ -300,3 +300,30 @@ func TestSelectsNode(t *testing.T) {
 		})
 	}
 }
+
+// TestMirrorChunksOfAPolicy: a chunk that holds rules and no pod is this
+// node's when another chunk of its policy selects a pod here (the
+// controller packs rules and pods independently); a chunk of a policy
+// whose pods are elsewhere is not.
+func TestMirrorChunksOfAPolicy(t *testing.T) {
+	f := newFixture(t)
+	f.create(t, pe("a", thisNode, "10.1.0.0/16", 80))
+	rulesOnly := pe("a-2", thisNode, "10.2.0.0/16", 80)
+	unstructured.SetNestedField(rulesOnly.Object, map[string]any{"name": "a", "namespace": "default"}, "spec", "policyRef")
+	unstructured.RemoveNestedField(rulesOnly.Object, "spec", "podSelectorEndpoints")
+	f.create(t, rulesOnly)
+	elsewhere := pe("b", otherNode, "10.3.0.0/16", 80)
+	f.create(t, elsewhere)
+	otherRules := pe("b-2", otherNode, "10.4.0.0/16", 80)
+	unstructured.SetNestedField(otherRules.Object, map[string]any{"name": "b", "namespace": "default"}, "spec", "policyRef")
+	unstructured.RemoveNestedField(otherRules.Object, "spec", "podSelectorEndpoints")
+	f.create(t, otherRules)
+	m := f.start(t)
+	<-m.Synced()
+	f.waitFile(t, FileName("default", "a-2"), render(t, rulesOnly))
+	for _, name := range []string{"b", "b-2"} {
+		if _, err := os.Stat(filepath.Join(f.dir, FileName("default", name))); !os.IsNotExist(err) {
+			t.Errorf("%s, a chunk of a policy of another node's pods, mirrored: %v", name, err)
+		}
+	}
+}

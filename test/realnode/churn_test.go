@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/node"
@@ -132,12 +133,16 @@ func TestChurn(t *testing.T) {
 func scale(t testing.TB, cs *kubernetes.Clientset, ns, name string, replicas int32) {
 	t.Helper()
 	ctx := context.Background()
-	s, err := cs.AppsV1().Deployments(ns).GetScale(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Spec.Replicas = replicas
-	if _, err := cs.AppsV1().Deployments(ns).UpdateScale(ctx, name, s, metav1.UpdateOptions{}); err != nil {
+	// The Deployment controller writes the object too: retry a conflict.
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		s, err := cs.AppsV1().Deployments(ns).GetScale(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		s.Spec.Replicas = replicas
+		_, err = cs.AppsV1().Deployments(ns).UpdateScale(ctx, name, s, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, fmt.Sprintf("%d replicas of %s", replicas, name), 5*time.Minute, func() error {
