@@ -282,7 +282,10 @@ func cleanup(stateDir string) error {
 func (n *Node) Exec(name string, args ...string) *exec.Cmd {
 	all := append([]string{"--net=/proc/" + strconv.Itoa(n.PID) + "/ns/net", "--mount=/proc/" + strconv.Itoa(n.PID) + "/ns/mnt", "--", name}, args...)
 	cmd := exec.Command("nsenter", all...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+n.InnerKubeconfig, "KUBECACHEDIR="+filepath.Join(n.State, "kubectl-cache"))
+	// HOME too: clients cache discovery below it (kubectl, e2e.test), and
+	// the node's mount namespace does not cover the host's home.
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+n.InnerKubeconfig, "HOME="+filepath.Join(n.State, "home"),
+		"KUBECACHEDIR="+filepath.Join(n.State, "home", "kube-cache"))
 	return cmd
 }
 
