@@ -34,13 +34,16 @@ generate:
 	$(GO) generate ./bpf/...
 
 # Every test, the kernel-facing ones included (root, bpffs at /sys/fs/bpf).
-# The API tests run a real kube-apiserver and etcd: hack/k8s-tools.sh builds
-# them once into ~/.cache/podfence, and PODFENCE_REQUIRE_K8S makes their
-# absence a failure instead of a skip.
+# The API tests run a real kube-apiserver and etcd, the real-node tests a
+# whole node: hack/k8s-tools.sh builds them once into ~/.cache/podfence,
+# and PODFENCE_REQUIRE_K8S makes their absence a failure instead of a
+# skip. The real-node tests run alone, after the others: they check that
+# the host is left as they found it, which other tests change meanwhile.
 test:
 	$(GO) vet $(PKGS)
 	tools=$$(hack/k8s-tools.sh) && export PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1 && \
-		$(GO) test -count=1 $(PKGS)
+		$(GO) test -count=1 $$($(GO) list $(PKGS) | grep -v /test/realnode) && \
+		$(GO) test -count=1 -timeout 45m ./test/realnode/
 	$(GO) test -count=1 -race ./pkg/...
 	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/
 	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/

@@ -424,7 +424,7 @@ func TestSweeperSecurityContext(t *testing.T) {
 		t.Errorf("capabilities.drop = %q, want exactly [ALL]", sc.Capabilities.Drop)
 	}
 	added := slices.Sorted(slices.Values(sc.Capabilities.Add))
-	want := []corev1.Capability{"BPF", "NET_ADMIN", "SYS_RESOURCE"}
+	want := []corev1.Capability{"BPF", "NET_ADMIN", "PERFMON", "SYS_RESOURCE"}
 	if !slices.Equal(added, want) {
 		t.Errorf("capabilities.add = %q, want exactly %q (any order)", sc.Capabilities.Add, want)
 	}

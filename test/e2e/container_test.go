@@ -137,8 +137,8 @@ func buildImage(t *testing.T) (tarball, ref string) {
 // TestSweeperImageInContainerd: the image make image writes imports into
 // containerd and runs the sweeper as conf/podfence-sweeper.yaml has the
 // kubelet run it: the node's network namespace, a read-only root, the
-// runtime's default seccomp profile, exactly CAP_BPF, CAP_NET_ADMIN and
-// CAP_SYS_RESOURCE, and bpffs, /run and the policy directory mounted from
+// runtime's default seccomp profile, exactly CAP_BPF, CAP_NET_ADMIN,
+// CAP_PERFMON and CAP_SYS_RESOURCE, and bpffs, /run and the policy directory mounted from
 // the host. In there it must open the pins, answer /healthz, and program a
 // policy change that traffic then shows.
 func TestSweeperImageInContainerd(t *testing.T) {
@@ -164,9 +164,9 @@ func TestSweeperImageInContainerd(t *testing.T) {
 		"SETFCAP", "SETPCAP", "NET_BIND_SERVICE", "SYS_CHROOT", "KILL", "AUDIT_WRITE"} {
 		args = append(args, "--cap-drop", "CAP_"+cap)
 	}
-	const capNetAdmin, capSysResource, capBPF = 12, 24, 39
-	want := uint64(1)<<capNetAdmin | 1<<capBPF
-	args = append(args, "--cap-add", "CAP_BPF", "--cap-add", "CAP_NET_ADMIN")
+	const capNetAdmin, capSysResource, capPerfmon, capBPF = 12, 24, 38, 39
+	want := uint64(1)<<capNetAdmin | 1<<capBPF | 1<<capPerfmon
+	args = append(args, "--cap-add", "CAP_BPF", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_PERFMON")
 	// Only 5.10 needs CAP_SYS_RESOURCE (memlock rlimit); a runtime cannot
 	// grant what its own bounding set lacks, as in some sandboxes.
 	if boundingSet(t)&(1<<capSysResource) != 0 {
@@ -218,7 +218,7 @@ func TestSweeperImageInContainerd(t *testing.T) {
 		t.Fatalf("the sweeper's task (pid %q): %v", pid, err)
 	}
 	if got := capSet(t, string(status), "CapEff"); got != want {
-		t.Errorf("the sweeper runs with CapEff %016x, want %016x (BPF, NET_ADMIN, SYS_RESOURCE where possible)", got, want)
+		t.Errorf("the sweeper runs with CapEff %016x, want %016x (BPF, NET_ADMIN, PERFMON, SYS_RESOURCE where possible)", got, want)
 	}
 
 	if !c.connects(client, web, backendPort) || c.connects(intruder, web, backendPort) {

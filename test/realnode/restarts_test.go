@@ -270,4 +270,15 @@ func rollToNextLayout(t *testing.T, n *node.Node) {
 	if out, err := n.Exec("readlink", "/sys/fs/bpf/podfence/global/layout").Output(); err != nil || !strings.HasPrefix(string(out), want) {
 		t.Errorf("the node's global layout after the roll: %q, %v; want %s", out, err, want)
 	}
+	// The new sweeper took every identifier over (it loads programs with
+	// the DaemonSet's capabilities), and moved their members.
+	out, err := n.Exec("sh", "-c", "for d in /sys/fs/bpf/podfence/ids/*; do echo $d $(readlink $d/layout); done").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		if f := strings.Fields(line); len(f) < 3 || f[1] != want || !strings.HasPrefix(f[2], "object=") || len(f) > 3 {
+			t.Errorf("identifier after the roll: %q, want layout %s with its object, not moving", line, want)
+		}
+	}
 }
