@@ -269,6 +269,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	}
 	defer lock.Unlock()
 	call.id = id
+	call.mark("lock")
 
 	m, err := lock.Member(key)
 	switch {
@@ -277,6 +278,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 		if err := lifecycle.RemoveMember(lock, m); err != nil {
 			return cniError(err, errState)
 		}
+		call.mark("detach")
 		call.action = "detached"
 	case errors.Is(err, membership.ErrNotMember):
 		// An ADD killed before the record was in place may have left
@@ -300,6 +302,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	if _, err := lifecycle.RemoveIfUnused(conf.PinRoot, lock); err != nil {
 		return cniError(err, errState)
 	}
+	call.mark("remove-unused")
 	return nil
 }
 
