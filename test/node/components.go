@@ -12,9 +12,8 @@ import (
 	"time"
 )
 
-// controlPlane starts etcd, the API server, the controller manager and
-// the scheduler.
-func (s *supervisor) controlPlane() error {
+// apiServer starts etcd and the API server.
+func (s *supervisor) apiServer() error {
 	if _, err := s.start("etcd", s.tool("etcd"),
 		"--data-dir="+s.path("etcd"),
 		"--listen-client-urls=http://127.0.0.1:2379",
@@ -51,12 +50,14 @@ func (s *supervisor) controlPlane() error {
 		return err
 	}
 	ctx := context.Background()
-	if err := s.waitFor("kube-apiserver", 90*time.Second, func() error {
+	return s.waitFor("kube-apiserver", 90*time.Second, func() error {
 		_, err := s.kubectl(ctx, "get", "--raw", "/readyz")
 		return err
-	}); err != nil {
-		return err
-	}
+	})
+}
+
+// controllers starts the controller manager and the scheduler.
+func (s *supervisor) controllers() error {
 	if _, err := s.start("kube-controller-manager", s.tool("kube-controller-manager"),
 		"--kubeconfig="+s.inner,
 		// Pod addresses come from host-local, as the VPC CNI's from ENIs.
@@ -274,8 +275,13 @@ func (s *supervisor) policyController() error {
 		return err
 	}
 	ctx := context.Background()
-	return s.waitFor("PolicyEndpoint CRD", 60*time.Second, func() error {
-		_, err := s.kubectl(ctx, "get", "crd", "policyendpoints.networking.k8s.aws")
+	// Served, not only created: the controller manager's garbage collector
+	// reads the resources it watches from discovery when it starts and then
+	// every 30 s, and it is what deletes a PolicyEndpoint once its
+	// NetworkPolicy is gone. Started before it saw the CRD, the node's
+	// first NetworkPolicy delete reached the pods up to 30 s late.
+	return s.waitFor("PolicyEndpoints served", 60*time.Second, func() error {
+		_, err := s.kubectl(ctx, "get", "policyendpoints.networking.k8s.aws", "--all-namespaces")
 		return err
 	})
 }

@@ -88,12 +88,14 @@ func (s *supervisor) up(listener *os.File) error {
 		{"network", s.network},
 		{"cgroups", s.cgroups},
 		{"credentials", s.credentials},
-		{"control plane", s.controlPlane},
+		{"API server", s.apiServer},
+		// Before the controller manager: see policyController.
+		{"network-policy controller", s.policyController},
+		{"controllers", s.controllers},
 		{"forwarder", func() error { return s.forward(listener) }},
 		{"containerd", s.containerd},
 		{"images", s.images},
 		{"kubelet and kube-proxy", s.nodeAgents},
-		{"network-policy controller", s.policyController},
 		{"CoreDNS", s.coreDNS},
 	}
 	for _, st := range steps {

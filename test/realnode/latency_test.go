@@ -123,7 +123,11 @@ func (s *latencyScene) measure(tb testing.TB, changes int, limit time.Duration) 
 				tb.Fatalf("change %d: the client's access is not %v %v after the API write", i, want, limit)
 			}
 		}
-		out = append(out, time.Since(at))
+		took := time.Since(at)
+		if took > time.Second {
+			tb.Logf("change %d (%s the client) took %v", i, map[bool]string{true: "letting in", false: "shutting out"}[want], took)
+		}
+		out = append(out, took)
 	}
 	return out
 }
