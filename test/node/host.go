@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 )
@@ -23,6 +24,10 @@ var hostSysctls = []string{"vm/overcommit_memory", "vm/panic_on_oom", "kernel/pa
 var hostPaths = []string{"/var/lib/kubelet", "/var/lib/containerd", "/var/lib/cni", "/var/log/containers",
 	"/var/log/pods", "/var/log/podfence", "/run/containerd", "/run/netns", "/etc/cni", "/opt/cni",
 	"/etc/podfence", "/usr/libexec/kubernetes", "/sys/fs/bpf", "/root/.kube", "/etc/kubernetes", "/var/run/aws-node"}
+
+// nodeCgroup matches the cgroups the node, the kubelet, containerd and runc
+// make (kubepods, pod and container cgroups, containerd's k8s.io namespace).
+var nodeCgroup = regexp.MustCompile(`/(podfence-node-|kubepods|pod[0-9a-f-]{36}|k8s\.io|containerd|kubelet|system\.slice|runtime)`)
 
 // SnapshotHost reads the host's state.
 func SnapshotHost() (Host, error) {
@@ -63,9 +68,11 @@ func SnapshotHost() (Host, error) {
 		})
 		h["files "+p] = strings.Join(names, "\n")
 	}
+	// Only the cgroups a node's processes make: other processes of this
+	// machine make and remove their own meanwhile.
 	var dirs []string
 	filepath.WalkDir("/sys/fs/cgroup", func(path string, d os.DirEntry, err error) error {
-		if err == nil && d.IsDir() {
+		if err == nil && d.IsDir() && nodeCgroup.MatchString(path) {
 			dirs = append(dirs, path)
 		}
 		return nil
