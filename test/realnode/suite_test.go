@@ -1,6 +1,7 @@
 package realnode
 
 import (
+	"encoding/json"
 	"encoding/xml"
 	"fmt"
 	"maps"
@@ -27,6 +28,8 @@ type suiteCase struct {
 	Name    string
 	Seconds float64
 	Failure string // empty: passed
+	// Start and End are when the case ran (zero if the report lacks it).
+	Start, End time.Time
 }
 
 // runSuite runs Kubernetes' e2e suite inside the node, against it, with a
@@ -45,6 +48,7 @@ func runSuite(n *node.Node, focus, skip string, dryRun bool) ([]suiteCase, error
 		"--ginkgo.no-color",
 		"--ginkgo.timeout=3h",
 		"--report-dir=" + dir,
+		"--ginkgo.json-report=" + filepath.Join(dir, "report.json"),
 	}
 	if dryRun {
 		args = append(args, "--ginkgo.dry-run")
@@ -61,7 +65,46 @@ func runSuite(n *node.Node, focus, skip string, dryRun bool) ([]suiteCase, error
 	if err != nil {
 		return nil, fmt.Errorf("e2e.test (%v, log %s): %w", runErr, log.Name(), err)
 	}
+	if !dryRun {
+		if err := readTimes(filepath.Join(dir, "report.json"), cases); err != nil {
+			return nil, err
+		}
+	}
 	return cases, nil
+}
+
+// readTimes fills in when each case ran from ginkgo's JSON report, whose
+// specs name their containers and leaf apart (the JUnit name joins them).
+func readTimes(path string, cases []suiteCase) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var reports []struct {
+		SpecReports []struct {
+			ContainerHierarchyTexts []string
+			LeafNodeText            string
+			LeafNodeType            string
+			StartTime, EndTime      time.Time
+		}
+	}
+	if err := json.Unmarshal(b, &reports); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	for _, r := range reports {
+		for _, sr := range r.SpecReports {
+			if sr.LeafNodeType != "It" {
+				continue
+			}
+			full := strings.Join(append(slices.Clone(sr.ContainerHierarchyTexts), sr.LeafNodeText), " ")
+			for i := range cases {
+				if rest, ok := strings.CutPrefix(cases[i].Name, full); ok && (rest == "" || strings.HasPrefix(rest, " [")) {
+					cases[i].Start, cases[i].End = sr.StartTime, sr.EndTime
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // readJUnit reads the cases ginkgo ran (the It specs) from its report.
@@ -168,8 +211,13 @@ func TestNetworkPolicySuite(t *testing.T) {
 	if os.Getenv("PODFENCE_CONFORMANCE") == "full" {
 		focus = suiteFocus
 	}
+	ev, err := recordEvidence(n)
+	if err != nil {
+		t.Fatal(err)
+	}
 	start := time.Now()
 	cases, err := runSuite(n, focus, skip, false)
+	ev.stop()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,9 +233,9 @@ func TestNetworkPolicySuite(t *testing.T) {
 			}
 		case isKnown:
 			known++
-			t.Logf("FAIL %6.1fs %s\n  known: %s", c.Seconds, c.Name, why)
+			t.Logf("FAIL %6.1fs %s\n  known: %s\n%s", c.Seconds, c.Name, why, explain(ev, c))
 		default:
-			t.Logf("FAIL %6.1fs %s", c.Seconds, c.Name)
+			t.Logf("FAIL %6.1fs %s\n%s", c.Seconds, c.Name, explain(ev, c))
 			t.Errorf("%s:\n%s", c.Name, c.Failure)
 		}
 	}
@@ -195,6 +243,16 @@ func TestNetworkPolicySuite(t *testing.T) {
 	if os.Getenv("PODFENCE_CONFORMANCE") != "full" && len(cases) != len(suiteSubset) {
 		t.Errorf("ran %d cases, want the subset's %d: a name no longer matches the suite", len(cases), len(suiteSubset))
 	}
+}
+
+// explain is what the node held and denied while c ran.
+func explain(ev *evidence, c suiteCase) string {
+	if c.Start.IsZero() {
+		return "  (the report does not say when the case ran)"
+	}
+	var b strings.Builder
+	ev.explain(&b, c.Start, c.End)
+	return strings.TrimRight(b.String(), "\n")
 }
 
 // TestSuiteCount derives the suite's size with a dry run: the cases of
