@@ -54,49 +54,41 @@ func cmdInstallCNI(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	conf := map[string]any{"pinRoot": *pinRoot, "policyDir": *policyDir}
-	if *mode != "" {
-		m, err := policy.ParseMode(*mode)
-		if err != nil {
-			return usageError{fmt.Errorf("--enforcing-mode: %w", err)}
-		}
-		conf["enforcingMode"] = string(m)
-	}
-	if *plugin == "" {
-		self, err := os.Executable()
-		if err != nil {
-			return fmt.Errorf("find the podfence binary: %w", err)
-		}
-		*plugin = filepath.Join(filepath.Dir(self), "podfence")
-	}
-	path, data, err := cf.read()
+	conf, err := podfenceEntry(*pinRoot, *policyDir, *mode)
 	if err != nil {
 		return err
 	}
-	out, changed, err := cniconf.Chain(data, conf)
+	bin, err := pluginBinary(*plugin)
 	if err != nil {
-		return fmt.Errorf("%s: %w (left as it is)", path, err)
+		return err
 	}
-	bin, err := os.ReadFile(*plugin)
+	res, err := ensureChained(cf, conf, bin, true)
 	if err != nil {
-		return fmt.Errorf("read the podfence binary: %w", err)
+		return err
 	}
-	dst := filepath.Join(cf.binDir, cniconf.PluginType)
-	if old, err := os.ReadFile(dst); err != nil || string(old) != string(bin) {
-		if err := cniconf.WriteFileAtomic(dst, bin, 0o755); err != nil {
-			return fmt.Errorf("install %s: %w", dst, err)
-		}
-		fmt.Fprintf(stdout, "installed %s\n", dst)
+	if res.installed {
+		fmt.Fprintf(stdout, "installed %s\n", filepath.Join(cf.binDir, cniconf.PluginType))
 	}
-	if !changed {
-		fmt.Fprintf(stdout, "%s already chains podfence last\n", path)
-		return nil
+	if res.chained {
+		fmt.Fprintf(stdout, "chained podfence last in %s\n", res.conflist)
+	} else {
+		fmt.Fprintf(stdout, "%s already chains podfence last\n", res.conflist)
 	}
-	if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	fmt.Fprintf(stdout, "chained podfence last in %s\n", path)
 	return nil
+}
+
+// podfenceEntry is podfence's conflist entry for these settings (mode
+// empty: none, the plugin's default).
+func podfenceEntry(pinRoot, policyDir, mode string) (map[string]any, error) {
+	conf := map[string]any{"pinRoot": pinRoot, "policyDir": policyDir}
+	if mode != "" {
+		m, err := policy.ParseMode(mode)
+		if err != nil {
+			return nil, usageError{fmt.Errorf("--enforcing-mode: %w", err)}
+		}
+		conf["enforcingMode"] = string(m)
+	}
+	return conf, nil
 }
 
 // cmdUninstallCNI takes podfence out of the conflist, then removes its

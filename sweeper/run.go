@@ -44,6 +44,11 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	kubeconfig := fs.String("kubeconfig", "", "with --policy-source=kubernetes: kubeconfig file (empty: the pod's in-cluster ServiceAccount)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	eventBuffer := fs.Int("event-buffer", ctnetlink.DefaultEventsReadBuffer, "receive buffer for conntrack destroy events, in bytes; events past it are lost and cause a full pass")
+	keepChained := fs.Bool("keep-chained", false, "keep podfence in the node's CNI chain: put its conflist entry and its binary back when the primary CNI rewrites its conflist or cleans the plugin directory (needs the CNI directories in the container)")
+	var cf cniFlags
+	cf.register(fs)
+	plugin := fs.String("plugin", "", "with --keep-chained: the podfence binary to put back (default: podfence beside this binary)")
+	mode := fs.String("enforcing-mode", "", "with --keep-chained: enforcingMode of podfence's entry when the conflist has none to keep (empty: the plugin's default, standard)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -64,6 +69,17 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		return usageError{fmt.Errorf("--interval-min %v and --interval-max %v: need 0 < min <= max", *minInterval, *maxInterval)}
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	var keeperConf map[string]any
+	var keeperBin []byte
+	if *keepChained {
+		var err error
+		if keeperConf, err = podfenceEntry(c.pinRoot, *policyDir, *mode); err != nil {
+			return err
+		}
+		if keeperBin, err = pluginBinary(*plugin); err != nil {
+			return err
+		}
+	}
 	if c.grace == 0 {
 		log.Warn("--grace 0: a new flow's entry may be deleted before netfilter creates its kernel flow; its next packet is then judged again by policy")
 	}
@@ -96,6 +112,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	reg := prometheus.NewRegistry()
 	r.m = newMetrics(reg, c.pinRoot)
 	registerDroppedEvents(reg, r.g)
+	if *keepChained {
+		r.chain = newChainKeeper(cf, keeperConf, keeperBin, log, reg)
+	}
 	if *source == sourceKubernetes {
 		if r.mirror, err = newMirror(*kubeconfig, *policyDir, r.m, log); err != nil {
 			return err
@@ -127,6 +146,7 @@ type runner struct {
 	pinRoot   string
 	policyDir string
 	mirror    *policymirror.Mirror // nil with --policy-source=files
+	chain     *chainKeeper         // nil without --keep-chained
 	// problems and keepErr are what the last policy load reported, logged
 	// again only when they change.
 	problems []string
@@ -163,6 +183,8 @@ func (r *runner) serve(addr string, reg *prometheus.Registry) (*http.Server, err
 func (r *runner) loop(ctx context.Context) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // before wg.Wait: ends the goroutines on every return
 
 	ev, err := ctnetlink.OpenEventsWith(r.events)
 	if err != nil {
@@ -188,6 +210,14 @@ func (r *runner) loop(ctx context.Context) error {
 		}
 	}()
 	defer ev.Close() // before wg.Wait: unblocks Follow
+
+	if r.chain != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.chain.run(ctx)
+		}()
+	}
 
 	done := make(chan struct{})
 	defer close(done)

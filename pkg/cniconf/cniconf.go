@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -178,6 +179,27 @@ func Unchain(data []byte) ([]byte, bool, error) {
 	l.plugins = kept
 	out, err := l.marshal()
 	return out, true, err
+}
+
+// Entry returns podfence's settings in data (its entry without "type"),
+// or nil when the list does not chain podfence.
+func Entry(data []byte) (map[string]any, error) {
+	l, err := parse(data)
+	if err != nil {
+		return nil, err
+	}
+	i := slices.Index(l.types, PluginType)
+	if i < 0 {
+		return nil, nil
+	}
+	var conf map[string]any
+	dec := json.NewDecoder(bytes.NewReader(l.plugins[i]))
+	dec.UseNumber() // numbers written back as they were read
+	if err := dec.Decode(&conf); err != nil {
+		return nil, fmt.Errorf("%w: podfence's entry: %v", ErrMalformed, err)
+	}
+	delete(conf, "type")
+	return conf, nil
 }
 
 // FindConflist returns the conflist a runtime uses in dir: the first

@@ -152,3 +152,27 @@ func TestWriteFileAtomicKeepsMode(t *testing.T) {
 		t.Errorf("temporary files left: %v", entries)
 	}
 }
+
+// Entry gives back what Chain wrote, so that a list rewritten without
+// podfence can be chained again with the settings it had.
+func TestEntryRoundTrip(t *testing.T) {
+	settings := map[string]any{"pinRoot": "/x", "enforcingMode": "strict", "ctV4Entries": json.Number("65536")}
+	if got, err := Entry([]byte(vpcCNI)); err != nil || got != nil {
+		t.Fatalf("Entry of a list without podfence = %v, %v; want nil, nil", got, err)
+	}
+	chained, _, err := Chain([]byte(vpcCNI), settings)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := Entry(chained)
+	if err != nil || !reflect.DeepEqual(got, settings) {
+		t.Fatalf("Entry = %v, %v; want %v", got, err, settings)
+	}
+	again, _, err := Chain([]byte(vpcCNI), got)
+	if err != nil || string(again) != string(chained) {
+		t.Errorf("chained again from Entry:\n%s\nwant\n%s (%v)", again, chained, err)
+	}
+	if _, err := Entry([]byte(`{"plugins": [{"type": "ptp"}, 1]}`)); !errors.Is(err, ErrMalformed) {
+		t.Errorf("Entry of a malformed list: %v, want ErrMalformed", err)
+	}
+}

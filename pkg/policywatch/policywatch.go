@@ -3,6 +3,7 @@
 // place. It follows the directory with inotify (Linux), so that a file
 // being written, however slowly, is not read until its writer closes it,
 // and a ConfigMap volume's "..data" symlink swap counts as one change.
+// The sweeper follows the CNI directories the same way (NewMatching).
 package policywatch
 
 import (
@@ -33,6 +34,7 @@ type Watcher struct {
 	f         *os.File
 	c         chan struct{}
 	quiet     time.Duration
+	match     func(name string) bool
 	done      chan struct{}
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -51,20 +53,28 @@ const watchMask = unix.IN_CLOSE_WRITE | unix.IN_MODIFY | unix.IN_MOVED_TO | unix
 
 // New watches dir, which must exist. quiet of 0 is DefaultQuiet.
 func New(dir string, quiet time.Duration) (*Watcher, error) {
+	return NewMatching(dir, quiet, policy.IsDocumentFile)
+}
+
+// NewMatching watches dir, where the files match accepts are the ones
+// read after a change: a change is held back while one of them is being
+// written. Any other event in dir (a temporary file renamed away, a
+// ConfigMap's "..data" swap) is a change too.
+func NewMatching(dir string, quiet time.Duration, match func(name string) bool) (*Watcher, error) {
 	if quiet == 0 {
 		quiet = DefaultQuiet
 	}
 	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
 	if err != nil {
-		return nil, fmt.Errorf("watch policy directory: %w", err)
+		return nil, fmt.Errorf("watch %s: %w", dir, err)
 	}
 	if _, err := unix.InotifyAddWatch(fd, dir, watchMask); err != nil {
 		unix.Close(fd)
-		return nil, fmt.Errorf("watch policy directory %s: %w", dir, err)
+		return nil, fmt.Errorf("watch %s: %w", dir, err)
 	}
 	c := make(chan struct{}, 1)
 	failed := make(chan struct{})
-	w := &Watcher{C: c, c: c, f: os.NewFile(uintptr(fd), "inotify"), quiet: quiet, done: make(chan struct{}),
+	w := &Watcher{C: c, c: c, f: os.NewFile(uintptr(fd), "inotify"), quiet: quiet, match: match, done: make(chan struct{}),
 		Failed: failed, failed: failed}
 	w.wg.Add(1)
 	go w.run()
@@ -123,9 +133,10 @@ func (w *Watcher) run() {
 				return
 			}
 			switch {
-			case !policy.IsDocumentFile(ev.name):
-				// Editors' temporary files and the like: only what
-				// LoadDir reads can hold a change back.
+			case !w.match(ev.name):
+				// Editors' temporary files, a ConfigMap's "..data"
+				// swap: a change, but only the files the reader reads
+				// can hold one back.
 			case ev.mask&unix.IN_MODIFY != 0:
 				writing[ev.name] = true
 			case ev.mask&unix.IN_CLOSE_WRITE != 0:
@@ -179,7 +190,7 @@ func (w *Watcher) read(out chan<- event) {
 			name := string(trimNul(b[unix.SizeofInotifyEvent:end]))
 			b = b[end:]
 			if raw.Mask&(unix.IN_DELETE_SELF|unix.IN_MOVE_SELF|unix.IN_IGNORED) != 0 {
-				w.fail(errors.New("the policy directory was removed or moved"))
+				w.fail(errors.New("the directory was removed or moved"))
 				return
 			}
 			select {
