@@ -242,6 +242,23 @@ func TestInstallCNIContainer(t *testing.T) {
 	if len(c.Args) == 0 || c.Args[0] != "install-cni" {
 		t.Fatalf("args = %q, want the install-cni subcommand first", c.Args)
 	}
+	checkCNIDirs(t, ds, c)
+	for _, f := range []string{pinRootFlag, "--policy-dir=/etc/podfence/policies"} {
+		if !slices.Contains(c.Args, f) {
+			t.Errorf("args = %q, missing %s (the conflist entry must match the sweeper)", c.Args, f)
+		}
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		len(sc.Capabilities.Add) != 0 || sc.Privileged == nil || *sc.Privileged {
+		t.Errorf("install-cni securityContext = %+v, want unprivileged with every capability dropped", sc)
+	}
+}
+
+// checkCNIDirs: c's --cni-conf-dir and --cni-bin-dir are the node's CNI
+// directories, mounted writable.
+func checkCNIDirs(t *testing.T, ds *appsv1.DaemonSet, c *corev1.Container) {
+	t.Helper()
 	for _, dir := range []struct{ flag, host string }{
 		{"--cni-conf-dir", "/etc/cni/net.d"},
 		{"--cni-bin-dir", "/opt/cni/bin"},
@@ -260,15 +277,23 @@ func TestInstallCNIContainer(t *testing.T) {
 			t.Errorf("%s hostPath type = %v, want Directory (the primary CNI creates it)", dir.host, hp.Type)
 		}
 	}
-	for _, f := range []string{pinRootFlag, "--policy-dir=/etc/podfence/policies"} {
-		if !slices.Contains(c.Args, f) {
-			t.Errorf("args = %q, missing %s (the conflist entry must match the sweeper)", c.Args, f)
-		}
+}
+
+// TestSweeperKeepsChain: the running sweeper keeps podfence in the chain,
+// so it has the CNI directories too, and describes the same entry as the
+// init container.
+func TestSweeperKeepsChain(t *testing.T) {
+	ds := loadSweeperManifest(t).daemonSet
+	c := sweeperContainer(t, ds)
+	if !slices.Contains(c.Args, "--keep-chained") {
+		t.Fatalf("args = %q, missing --keep-chained", c.Args)
 	}
-	sc := c.SecurityContext
-	if sc == nil || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
-		len(sc.Capabilities.Add) != 0 || sc.Privileged == nil || *sc.Privileged {
-		t.Errorf("install-cni securityContext = %+v, want unprivileged with every capability dropped", sc)
+	checkCNIDirs(t, ds, c)
+	install := installContainer(t, ds)
+	for _, a := range install.Args[1:] {
+		if !strings.HasPrefix(a, "--plugin=") && !slices.Contains(c.Args, a) {
+			t.Errorf("install-cni has %s, the sweeper does not: a repaired chain would differ from the installed one", a)
+		}
 	}
 }
 

@@ -44,13 +44,46 @@ func BenchmarkPodStart(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	// The sweeper keeps podfence in the chain (--keep-chained): it goes
+	// off the node while the primary conflist alone is measured.
+	pauseSweeper(b, n)
 	writeConflist(b, n, node.PrimaryConflist())
-	defer writeConflist(b, n, string(chained))
 	without := measure("without")
+	writeConflist(b, n, string(chained))
+	resumeSweeper(b, n)
 	b.ReportMetric(with, "with-podfence-p50-s")
 	b.ReportMetric(without, "without-podfence-p50-s")
 	b.ReportMetric(with/without, "ratio")
 	b.ReportMetric(0, "ns/op")
+}
+
+// pauseSweeper takes the sweeper's pod off the node (a node selector no
+// node has) and waits until it is gone.
+func pauseSweeper(tb testing.TB, n *node.Node) {
+	tb.Helper()
+	if out, err := n.Kubectl("-n", "kube-system", "patch", "ds", "podfence-sweeper", "--type=merge",
+		"-p", `{"spec":{"template":{"spec":{"nodeSelector":{"podfence.test/paused":"true"}}}}}`); err != nil {
+		tb.Fatalf("pause the sweeper: %v: %s", err, out)
+	}
+	waitFor(tb, "the sweeper's pod gone", 2*time.Minute, func() error {
+		out, err := n.Kubectl("-n", "kube-system", "get", "pods", "-l", "app.kubernetes.io/name=podfence-sweeper", "-o", "name")
+		if err != nil || len(strings.TrimSpace(string(out))) > 0 {
+			return fmt.Errorf("%v %s", err, out)
+		}
+		return nil
+	})
+}
+
+// resumeSweeper undoes pauseSweeper and waits until podfence runs again.
+func resumeSweeper(tb testing.TB, n *node.Node) {
+	tb.Helper()
+	if out, err := n.Kubectl("-n", "kube-system", "patch", "ds", "podfence-sweeper", "--type=merge",
+		"-p", `{"spec":{"template":{"spec":{"nodeSelector":{"podfence.test/paused":null}}}}}`); err != nil {
+		tb.Fatalf("resume the sweeper: %v: %s", err, out)
+	}
+	if err := n.WaitPodfence(3 * time.Minute); err != nil {
+		tb.Fatal(err)
+	}
 }
 
 // writeConflist replaces the node's conflist, atomically.

@@ -1,0 +1,136 @@
+package realnode
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/podfence/podfence/test/node"
+)
+
+// chainedLast says whether the node's conflist has podfence last.
+func chainedLast(n *node.Node) error {
+	b, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
+	if err != nil {
+		return err
+	}
+	var list struct {
+		Plugins []struct{ Type string } `json:"plugins"`
+	}
+	if err := json.Unmarshal(b, &list); err != nil {
+		return err
+	}
+	if len(list.Plugins) == 0 || list.Plugins[len(list.Plugins)-1].Type != "podfence" {
+		return fmt.Errorf("plugins %+v", list.Plugins)
+	}
+	return nil
+}
+
+// TestChainKeptOnNode: the sweeper pod, as the manifest runs it, puts
+// podfence back into the chain when the conflist is rewritten from the
+// primary CNI's template (as aws-node does at every start) while a
+// Deployment scales up, and the plugin binary back when it is removed:
+// every pod the Deployment gets is fenced (a stranger cannot reach it
+// under a default-deny policy) and pods created while the binary was gone
+// start.
+func TestChainKeptOnNode(t *testing.T) {
+	n := needNode(t)
+	cs := clientset(t, n)
+	ns := namespace(t, cs, "chain")
+	ctx := context.Background()
+	stranger := runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
+	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: "web-deny"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	web := netexecPod("", map[string]string{"app": "web"})
+	dep := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: "web"},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: new(int32),
+			Selector: &metav1.LabelSelector{MatchLabels: web.Labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: web.ObjectMeta, Spec: web.Spec},
+		},
+	}
+	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Whatever happens, the node keeps its chain for the other tests.
+	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if chainedLast(n) != nil {
+			writeConflist(t, n, string(chained))
+		}
+	})
+
+	// aws-node's start: the template written over the list while pods
+	// are being created.
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		scale(t, cs, ns, "web", 5)
+	}()
+	writeConflist(t, n, node.PrimaryConflist())
+	waitFor(t, "podfence chained again", 30*time.Second, func() error { return chainedLast(n) })
+	<-done
+
+	// A primary CNI's upgrade that cleans the plugin directory.
+	if out, err := n.Exec("rm", "/opt/cni/bin/podfence").CombinedOutput(); err != nil {
+		t.Fatalf("rm: %v: %s", err, out)
+	}
+	scale(t, cs, ns, "web", 8)
+	if out, err := n.Exec("test", "-x", "/opt/cni/bin/podfence").CombinedOutput(); err != nil {
+		t.Fatalf("the plugin binary is not back: %v: %s", err, out)
+	}
+
+	pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pods.Items) != 8 {
+		t.Fatalf("%d web pods, want 8", len(pods.Items))
+	}
+	// Each is fenced: the stranger's SYN is dropped (a timeout), while
+	// the pod answers its kubelet's probes (it is Ready).
+	for _, p := range pods.Items {
+		waitFor(t, "web pod "+p.Name+" fenced", 10*time.Second, func() error {
+			dctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			defer cancel()
+			c, err := n.DialFromPod(dctx, string(stranger.UID), "tcp", net.JoinHostPort(p.Status.PodIP, "8080"))
+			if err == nil {
+				c.Close()
+				return fmt.Errorf("the stranger reaches %s at %s", p.Name, p.Status.PodIP)
+			}
+			if !isTimeout(err) {
+				return fmt.Errorf("dial %s: %v, want a timeout", p.Status.PodIP, err)
+			}
+			return nil
+		})
+	}
+	logs, err := n.Kubectl("-n", "kube-system", "logs", "ds/podfence-sweeper", "-c", "sweeper")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"chained podfence last again", "put the podfence binary back"} {
+		if !strings.Contains(string(logs), want) {
+			t.Errorf("the sweeper's log does not say %q", want)
+		}
+	}
+}
