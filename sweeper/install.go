@@ -8,7 +8,10 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/lifecycle"
+	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -101,6 +104,11 @@ func cmdUninstallCNI(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	return unchain(cf, stdout)
+}
+
+// unchain takes podfence out of the conflist, then removes its binary.
+func unchain(cf cniFlags, stdout io.Writer) error {
 	path, data, err := cf.read()
 	if err != nil {
 		return err
@@ -121,5 +129,35 @@ func cmdUninstallCNI(args []string, stdout, stderr io.Writer) error {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove %s: %w", dst, err)
 	}
+	return nil
+}
+
+// cmdUninstall takes podfence off the node completely: out of the chain
+// first (no new pod gets its hooks), then every member's hooks off its
+// veth, then the pins. Pods keep running, no longer fenced. The DaemonSet
+// goes first: its sweeper would put podfence back into the chain.
+func cmdUninstall(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("uninstall", stderr, &c, false)
+	var cf cniFlags
+	cf.register(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := unchain(cf, stdout); err != nil {
+		return err
+	}
+	r, err := lifecycle.RemoveAll(membership.New(c.pinRoot))
+	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)
+	if err != nil {
+		return fmt.Errorf("uninstall: %w (run it again to finish)", err)
+	}
+	if len(r.Kept) > 0 {
+		return fmt.Errorf("uninstall: identifiers %v kept: a member record podfence cannot read stands for hooks it does not know; see ls", r.Kept)
+	}
+	if err := bpf.RemoveNode(c.pinRoot); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "removed %s\n", c.pinRoot)
 	return nil
 }

@@ -434,3 +434,66 @@ func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded,
 	}
 	return &up, nil
 }
+
+// Removed is what RemoveAll took off a node.
+type Removed struct {
+	Identifiers int // whose pins were removed
+	Members     int // taken off their veths
+	// Kept are identifiers left in place because a member record could
+	// not be read: the hooks it stands for are unknown, so its pins stay
+	// (see RemoveIfUnused).
+	Kept []podid.ID
+}
+
+// RemoveAll takes every member of every identifier off its veth and
+// removes the identifiers' pins, each under its lock: podfence leaves the
+// node, and its pods keep running, no longer fenced. A runtime's ADD or
+// DEL that waits for a lock meanwhile finds the identifier gone and does
+// what it does for a new or an absent one.
+func RemoveAll(store *membership.Store) (Removed, error) {
+	var r Removed
+	ids, err := store.Identifiers()
+	if err != nil {
+		return r, wrap(ErrState, err)
+	}
+	var errs []error
+	for _, id := range ids {
+		lock, err := store.Lock(id, false)
+		if errors.Is(err, membership.ErrNoIdentifier) {
+			continue // removed by its last DEL meanwhile
+		}
+		if err != nil {
+			errs = append(errs, wrap(ErrState, err))
+			continue
+		}
+		n, removed, err := removeIdentifier(store.Root(), lock)
+		lock.Unlock()
+		r.Members += n
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("identifier %s: %w", id, err))
+		case removed:
+			r.Identifiers++
+		default:
+			r.Kept = append(r.Kept, id)
+		}
+	}
+	return r, errors.Join(errs...)
+}
+
+// removeIdentifier removes the locked identifier's members, then its pins
+// when no unreadable record is left.
+func removeIdentifier(pinRoot string, lock *membership.Lock) (members int, removed bool, err error) {
+	sc, err := lock.Scan()
+	if err != nil {
+		return 0, false, wrap(ErrState, err)
+	}
+	for _, m := range sc.Members {
+		if err := RemoveMember(lock, m); err != nil {
+			return members, false, err
+		}
+		members++
+	}
+	removed, err = RemoveIfUnused(pinRoot, lock)
+	return members, removed, err
+}
