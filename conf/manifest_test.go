@@ -285,8 +285,10 @@ func checkCNIDirs(t *testing.T, ds *appsv1.DaemonSet, c *corev1.Container) {
 func TestSweeperKeepsChain(t *testing.T) {
 	ds := loadSweeperManifest(t).daemonSet
 	c := sweeperContainer(t, ds)
-	if !slices.Contains(c.Args, "--keep-chained") {
-		t.Fatalf("args = %q, missing --keep-chained", c.Args)
+	for _, f := range []string{"--keep-chained", "--adopt"} {
+		if !slices.Contains(c.Args, f) {
+			t.Errorf("args = %q, missing %s", c.Args, f)
+		}
 	}
 	checkCNIDirs(t, ds, c)
 	install := installContainer(t, ds)
@@ -449,7 +451,7 @@ func TestSweeperSecurityContext(t *testing.T) {
 		t.Errorf("capabilities.drop = %q, want exactly [ALL]", sc.Capabilities.Drop)
 	}
 	added := slices.Sorted(slices.Values(sc.Capabilities.Add))
-	want := []corev1.Capability{"BPF", "NET_ADMIN", "PERFMON", "SYS_RESOURCE"}
+	want := []corev1.Capability{"BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"}
 	if !slices.Equal(added, want) {
 		t.Errorf("capabilities.add = %q, want exactly %q (any order)", sc.Capabilities.Add, want)
 	}

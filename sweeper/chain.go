@@ -100,6 +100,9 @@ type chainKeeper struct {
 	// may have edited it), else the one the sweeper's flags describe.
 	conf map[string]any
 	log  *slog.Logger
+	// repaired, when set, is called after podfence was chained again:
+	// pods created in the gap are adopted.
+	repaired func()
 
 	repairs *prometheus.CounterVec // by part: conflist, binary
 	intact  prometheus.Gauge
@@ -150,6 +153,9 @@ func (k *chainKeeper) check(why string) {
 	if res.chained {
 		k.repairs.WithLabelValues("conflist").Inc()
 		k.log.Warn("chained podfence last again", "conflist", res.conflist, "why", why)
+		if k.repaired != nil {
+			k.repaired()
+		}
 	}
 }
 

@@ -243,7 +243,7 @@ func hoistFlags(args []string) []string {
 }
 
 // booleanFlags are the flags of any command that take no value.
-var booleanFlags = map[string]bool{"json": true, "h": true, "help": true, "keep-chained": true}
+var booleanFlags = map[string]bool{"json": true, "h": true, "help": true, "keep-chained": true, "adopt": true}
 
 // commands are the first words runMain knows.
 var commands = map[string]bool{"run": true, "sweep": true, "ls": true, "apply": true, "trace": true, "why": true,

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/policy"
@@ -49,6 +50,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	cf.register(fs)
 	plugin := fs.String("plugin", "", "with --keep-chained: the podfence binary to put back (default: podfence beside this binary)")
 	mode := fs.String("enforcing-mode", "", "with --keep-chained: enforcingMode of podfence's entry when the conflist has none to keep (empty: the plugin's default, standard)")
+	adoptPods := fs.Bool("adopt", false, "fence the running pods podfence's ADD never saw (installed after them, or out of the chain when they were created): asks the container runtime (--cri-socket) and runs the plugin's ADD for each; in strict mode this closes every adopted pod no policy opens")
+	criSocket := fs.String("cri-socket", adopt.DefaultCRISocket, "with --adopt: the container runtime's CRI endpoint")
+	adoptInterval := fs.Duration("adopt-interval", 30*time.Second, "with --adopt: how often to look for pods to adopt besides the start and each repair of the chain")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -64,6 +68,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
 		return usageError{fmt.Errorf("--log-level: %w", err)}
+	}
+	if *adoptInterval <= 0 {
+		return usageError{fmt.Errorf("--adopt-interval %v: need a positive interval", *adoptInterval)}
 	}
 	if *minInterval <= 0 || *maxInterval < *minInterval {
 		return usageError{fmt.Errorf("--interval-min %v and --interval-max %v: need 0 < min <= max", *minInterval, *maxInterval)}
@@ -115,6 +122,17 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	if *keepChained {
 		r.chain = newChainKeeper(cf, keeperConf, keeperBin, log, reg)
 	}
+	if *adoptPods {
+		cri, err := adopt.DialCRI(*criSocket)
+		if err != nil {
+			return usageError{fmt.Errorf("--cri-socket: %w", err)}
+		}
+		defer cri.Close()
+		r.adopt = newAdopter(adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Log: log}, *adoptInterval, log, reg)
+		if r.chain != nil {
+			r.chain.repaired = r.adopt.wake
+		}
+	}
 	if *source == sourceKubernetes {
 		if r.mirror, err = newMirror(*kubeconfig, *policyDir, r.m, log); err != nil {
 			return err
@@ -147,6 +165,7 @@ type runner struct {
 	policyDir string
 	mirror    *policymirror.Mirror // nil with --policy-source=files
 	chain     *chainKeeper         // nil without --keep-chained
+	adopt     *adopter             // nil without --adopt
 	// problems and keepErr are what the last policy load reported, logged
 	// again only when they change.
 	problems []string
@@ -216,6 +235,13 @@ func (r *runner) loop(ctx context.Context) error {
 		go func() {
 			defer wg.Done()
 			r.chain.run(ctx)
+		}()
+	}
+	if r.adopt != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.adopt.run(ctx)
 		}()
 	}
 

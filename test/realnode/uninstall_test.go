@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/podfence/podfence/test/node"
 )
@@ -84,16 +85,44 @@ func TestUninstallOnNode(t *testing.T) {
 	if len(podfencePrograms(t)) == 0 {
 		t.Fatal("no podfence program loaded before the uninstall: the check below proves nothing")
 	}
-	manifest, err := os.ReadFile("../../conf/podfence-sweeper.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := n.InstallPodfence(manifest); err != nil {
-			t.Errorf("podfence not installed again: %v", err)
-		}
-	})
+	reinstallAtEnd(t, n)
+	uninstallPodfence(t, n, cs, ns)
 
+	if out, err := n.Exec("ls", "-A", "/sys/fs/bpf").CombinedOutput(); err != nil || strings.Contains(string(out), "podfence") {
+		t.Errorf("bpffs after the uninstall: %v: %s", err, out)
+	}
+	if out, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").CombinedOutput(); err != nil || strings.Contains(string(out), "podfence") {
+		t.Errorf("the conflist after the uninstall: %v: %s", err, out)
+	}
+	if err := n.Exec("test", "-e", "/opt/cni/bin/podfence").Run(); err == nil {
+		t.Error("the plugin binary is still installed")
+	}
+	waitFor(t, "podfence's programs freed", 15*time.Second, func() error {
+		if ids := podfencePrograms(t); len(ids) > 0 {
+			return fmt.Errorf("programs %v still loaded", ids)
+		}
+		return nil
+	})
+	if err := reaches(); err != nil {
+		t.Errorf("the stranger cannot reach the web pod after the uninstall: %v", err)
+	}
+	for _, p := range []string{"web", "stranger"} {
+		got, err := cs.CoreV1().Pods(ns).Get(ctx, p, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ready(got) || got.Status.ContainerStatuses[0].RestartCount != 0 {
+			t.Errorf("pod %s after the uninstall: ready %v, restarts %d", p, ready(got), got.Status.ContainerStatuses[0].RestartCount)
+		}
+	}
+}
+
+// uninstallPodfence takes podfence off the node as the README says: the
+// DaemonSet deleted, then podfence-sweeper uninstall from the image in a
+// node debug pod (in namespace ns).
+func uninstallPodfence(t *testing.T, n *node.Node, cs *kubernetes.Clientset, ns string) {
+	t.Helper()
+	ctx := context.Background()
 	if out, err := n.Kubectl("-n", "kube-system", "delete", "ds", "podfence-sweeper", "--wait"); err != nil {
 		t.Fatalf("delete the DaemonSet: %v: %s", err, out)
 	}
@@ -133,31 +162,4 @@ func TestUninstallOnNode(t *testing.T) {
 		t.Fatalf("the uninstall failed: %v", err)
 	}
 
-	if out, err := n.Exec("ls", "-A", "/sys/fs/bpf").CombinedOutput(); err != nil || strings.Contains(string(out), "podfence") {
-		t.Errorf("bpffs after the uninstall: %v: %s", err, out)
-	}
-	if out, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").CombinedOutput(); err != nil || strings.Contains(string(out), "podfence") {
-		t.Errorf("the conflist after the uninstall: %v: %s", err, out)
-	}
-	if err := n.Exec("test", "-e", "/opt/cni/bin/podfence").Run(); err == nil {
-		t.Error("the plugin binary is still installed")
-	}
-	waitFor(t, "podfence's programs freed", 15*time.Second, func() error {
-		if ids := podfencePrograms(t); len(ids) > 0 {
-			return fmt.Errorf("programs %v still loaded", ids)
-		}
-		return nil
-	})
-	if err := reaches(); err != nil {
-		t.Errorf("the stranger cannot reach the web pod after the uninstall: %v", err)
-	}
-	for _, p := range []string{"web", "stranger"} {
-		got, err := cs.CoreV1().Pods(ns).Get(ctx, p, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ready(got) || got.Status.ContainerStatuses[0].RestartCount != 0 {
-			t.Errorf("pod %s after the uninstall: ready %v, restarts %d", p, ready(got), got.Status.ContainerStatuses[0].RestartCount)
-		}
-	}
 }

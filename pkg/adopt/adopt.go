@@ -1,0 +1,178 @@
+// Package adopt fences the pods a node runs that podfence's ADD never saw:
+// pods that predate podfence's install, and pods created while podfence
+// was out of the CNI chain (a primary CNI rewrote its conflist). It asks
+// the container runtime for its ready pod sandboxes and, for each that has
+// no member record, runs the installed podfence plugin's own ADD as the
+// runtime would have: the conflist's podfence entry, the sandbox's ID,
+// network namespace and pod name, and a prevResult made from the
+// addresses the runtime reports. An adopted pod therefore gets exactly the
+// record, identifier, lock and programs its ADD would have given it, and
+// the runtime's DEL, CHECK and GC, ls, upgrades and the orphan sweep treat
+// it like any other.
+//
+// Races with the runtime are settled by the identifier's lock, which the
+// plugin takes: a sandbox whose ADD is in flight is not ready yet and is
+// left alone, and a sandbox that stops being ready while it is adopted
+// gets a DEL. A DEL that ran between the two leaves a member whose veth is
+// gone, which the orphan sweep removes.
+package adopt
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"strings"
+
+	"github.com/containernetworking/cni/pkg/invoke"
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
+)
+
+// IfName is the pod's interface the runtime's ADD names (the kubelet's
+// pods have eth0).
+const IfName = "eth0"
+
+// ErrNotChained is returned when the conflist has no podfence entry: there
+// is no configuration to adopt pods with.
+var ErrNotChained = errors.New("podfence is not in the CNI chain")
+
+// Options say where adoption finds what it needs.
+type Options struct {
+	Runtime Runtime
+	// Conflist reads the node's conflist (path and contents).
+	Conflist func() (string, []byte, error)
+	// BinDir is the CNI plugin directory: the plugin run is the one the
+	// runtime runs.
+	BinDir string
+	Log    *slog.Logger
+}
+
+// Report is what one pass found and did.
+type Report struct {
+	Sandboxes int      // ready, with a network namespace of their own
+	Fenced    int      // already members
+	Adopted   []string // namespace/name of the pods adopted now
+	Failed    []error  // one per sandbox that could not be adopted
+}
+
+// Pass adopts every ready sandbox that is not a member yet.
+func Pass(ctx context.Context, o Options) (Report, error) {
+	var r Report
+	_, data, err := o.Conflist()
+	if err != nil {
+		return r, err
+	}
+	conf, err := pluginConf(data)
+	if err != nil {
+		return r, err
+	}
+	pinRoot, _ := conf.entry["pinRoot"].(string)
+	if pinRoot == "" {
+		pinRoot = pinpath.DefaultRoot
+	}
+	store := membership.New(pinRoot)
+	sandboxes, err := o.Runtime.Sandboxes(ctx)
+	if err != nil && len(sandboxes) == 0 {
+		return r, err
+	}
+	if err != nil {
+		r.Failed = append(r.Failed, err) // some could not be read: the others are adopted
+	}
+	r.Sandboxes = len(sandboxes)
+	for _, sb := range sandboxes {
+		_, err := store.FindContainer(sb.ID, IfName)
+		if err == nil {
+			r.Fenced++
+			continue
+		}
+		if !errors.Is(err, membership.ErrNotMember) {
+			r.Failed = append(r.Failed, err)
+			continue
+		}
+		if err := adoptOne(ctx, o, conf, sb); err != nil {
+			r.Failed = append(r.Failed, fmt.Errorf("adopt %s/%s (sandbox %s): %w", sb.Namespace, sb.Name, sb.ID, err))
+			continue
+		}
+		r.Adopted = append(r.Adopted, sb.Namespace+"/"+sb.Name)
+	}
+	return r, nil
+}
+
+// plugin is podfence's entry with what the runtime adds to it.
+type plugin struct {
+	name, cniVersion string
+	entry            map[string]any
+}
+
+func pluginConf(conflist []byte) (plugin, error) {
+	entry, err := cniconf.Entry(conflist)
+	if err != nil {
+		return plugin{}, err
+	}
+	if entry == nil {
+		return plugin{}, ErrNotChained
+	}
+	var top struct {
+		Name       string `json:"name"`
+		CNIVersion string `json:"cniVersion"`
+	}
+	if err := json.Unmarshal(conflist, &top); err != nil {
+		return plugin{}, fmt.Errorf("%w: %v", cniconf.ErrMalformed, err)
+	}
+	return plugin{name: top.Name, cniVersion: top.CNIVersion, entry: entry}, nil
+}
+
+// adoptOne runs the plugin's ADD for sb, and its DEL when sb stopped
+// being ready meanwhile.
+func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
+	if len(sb.IPs) == 0 {
+		return errors.New("the runtime reports no address for the pod")
+	}
+	prev := &current.Result{CNIVersion: current.ImplementedSpecVersion,
+		Interfaces: []*current.Interface{{Name: IfName, Sandbox: sb.Netns}}}
+	for _, a := range sb.IPs {
+		bits := a.BitLen()
+		prev.IPs = append(prev.IPs, &current.IPConfig{Interface: current.Int(0),
+			Address: net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(bits, bits)}})
+	}
+	conv, err := prev.GetAsVersion(p.cniVersion)
+	if err != nil {
+		return fmt.Errorf("prevResult at CNI version %s: %w", p.cniVersion, err)
+	}
+	netconf := map[string]any{}
+	for k, v := range p.entry {
+		netconf[k] = v
+	}
+	netconf["type"] = cniconf.PluginType
+	netconf["name"] = p.name
+	netconf["cniVersion"] = p.cniVersion
+	netconf["prevResult"] = conv
+	stdin, err := json.Marshal(netconf)
+	if err != nil {
+		return err
+	}
+	bin := filepath.Join(o.BinDir, cniconf.PluginType)
+	args := func(cmd string) *invoke.Args {
+		return &invoke.Args{Command: cmd, ContainerID: sb.ID, NetNS: sb.Netns, IfName: IfName, Path: o.BinDir,
+			PluginArgsStr: strings.Join([]string{"IgnoreUnknown=1", "K8S_POD_NAMESPACE=" + sb.Namespace,
+				"K8S_POD_NAME=" + sb.Name, "K8S_POD_INFRA_CONTAINER_ID=" + sb.ID, "K8S_POD_UID=" + sb.UID}, ";")}
+	}
+	if _, err := invoke.ExecPluginWithResult(ctx, bin, stdin, args("ADD"), nil); err != nil {
+		return err
+	}
+	ready, err := o.Runtime.Ready(ctx, sb.ID)
+	if err == nil && ready {
+		return nil
+	}
+	// Deleted while it was adopted: take it off again (the runtime's own
+	// DEL may have run before the ADD held the identifier's lock).
+	delErr := invoke.ExecPluginWithoutResult(ctx, bin, stdin, args("DEL"), nil)
+	return errors.Join(fmt.Errorf("the sandbox stopped being ready while it was adopted (%v): removed again", err), delErr)
+}
