@@ -83,6 +83,7 @@ func (a *adopter) pass(ctx context.Context, why string) {
 	a.failures.Add(float64(len(r.Failed)))
 	if len(r.Adopted) > 0 || len(r.Failed) > 0 {
 		a.log.Info("adoption pass", "why", why, "sandboxes", r.Sandboxes, "fenced_already", r.Fenced,
-			"adopted", len(r.Adopted), "failed", len(r.Failed), "duration_ms", time.Since(start).Milliseconds())
+			"adopted", len(r.Adopted), "failed", len(r.Failed), "flows_seeded_allowed", r.Seeded.Allowed,
+			"flows_seeded_denied", r.Seeded.Denied, "duration_ms", time.Since(start).Milliseconds())
 	}
 }

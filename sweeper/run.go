@@ -128,7 +128,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 			return usageError{fmt.Errorf("--cri-socket: %w", err)}
 		}
 		defer cri.Close()
-		r.adopt = newAdopter(adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Log: log}, *adoptInterval, log, reg)
+		r.adopt = newAdopter(adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Global: g}, *adoptInterval, log, reg)
 		if r.chain != nil {
 			r.chain.repaired = r.adopt.wake
 		}

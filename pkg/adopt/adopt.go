@@ -22,7 +22,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net"
 	"path/filepath"
 	"strings"
@@ -30,7 +29,9 @@ import (
 	"github.com/containernetworking/cni/pkg/invoke"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
 )
@@ -51,7 +52,9 @@ type Options struct {
 	// BinDir is the CNI plugin directory: the plugin run is the one the
 	// runtime runs.
 	BinDir string
-	Log    *slog.Logger
+	// Global, when set, is the node's datapath: each adopted pod's live
+	// flows are then seeded from the kernel's conntrack table (seed).
+	Global *bpf.Global
 }
 
 // Report is what one pass found and did.
@@ -59,6 +62,7 @@ type Report struct {
 	Sandboxes int      // ready, with a network namespace of their own
 	Fenced    int      // already members
 	Adopted   []string // namespace/name of the pods adopted now
+	Seeded    Seeded   // their live flows, judged as they were opened
 	Failed    []error  // one per sandbox that could not be adopted
 }
 
@@ -86,6 +90,8 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		r.Failed = append(r.Failed, err) // some could not be read: the others are adopted
 	}
 	r.Sandboxes = len(sandboxes)
+	var flows []ctnetlink.Flow
+	dumped := false
 	for _, sb := range sandboxes {
 		_, err := store.FindContainer(sb.ID, IfName)
 		if err == nil {
@@ -101,6 +107,23 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 			continue
 		}
 		r.Adopted = append(r.Adopted, sb.Namespace+"/"+sb.Name)
+		if o.Global == nil {
+			continue
+		}
+		if !dumped {
+			// After the first adoption, so that every flow it seeds
+			// was open before its programs were attached.
+			if flows, err = kernelFlows(); err != nil {
+				r.Failed = append(r.Failed, fmt.Errorf("read the kernel's conntrack table: no flow of the adopted pods seeded: %w", err))
+			}
+			dumped = true
+		}
+		s, err := seed(o.Global, pinRoot, store, sb, flows)
+		r.Seeded.Allowed += s.Allowed
+		r.Seeded.Denied += s.Denied
+		if err != nil {
+			r.Failed = append(r.Failed, fmt.Errorf("seed the flows of %s/%s: %w", sb.Namespace, sb.Name, err))
+		}
 	}
 	return r, nil
 }

@@ -392,6 +392,38 @@ func (n *Node) DialFromPod(ctx context.Context, uid, network, addr string) (net.
 	return dialIn("/proc/"+strconv.Itoa(pid)+"/ns/net", ctx, network, addr)
 }
 
+// ListenInPod listens inside the network namespace of the pod whose UID
+// is uid: connections to the pod's address and port reach the listener,
+// as they would reach a server of the pod's own.
+func (n *Node) ListenInPod(uid, network, addr string) (net.Listener, error) {
+	pid, err := podProcess(uid)
+	if err != nil {
+		return nil, err
+	}
+	type result struct {
+		l   net.Listener
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread leaves the root namespace
+		f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/ns/net")
+		if err != nil {
+			ch <- result{nil, err}
+			return
+		}
+		defer f.Close()
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			ch <- result{nil, fmt.Errorf("enter pod %s's network namespace: %w", uid, err)}
+			return
+		}
+		l, err := net.Listen(network, addr)
+		ch <- result{l, err}
+	}()
+	r := <-ch
+	return r.l, r.err
+}
+
 // podProcess finds a process of the pod with uid by its cgroup (the
 // kubelet's cgroupfs driver names it pod<uid>).
 func podProcess(uid string) (int, error) {

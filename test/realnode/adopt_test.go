@@ -106,6 +106,56 @@ func TestAdoptOnNode(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	// The pusher lets the client in and sends nothing of its own: a
+	// connection the client opened to it lives on only as a flow the
+	// client opened, which its conntrack entry must say. Its first packet
+	// after the install goes from the pusher: judged as a new flow of the
+	// pusher's, it would be refused.
+	pusher := runPod(t, cs, ns, netexecPod("pusher", map[string]string{"app": "pusher"}))
+	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: "pusher"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "pusher"}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress, networkingv1.PolicyTypeEgress},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{
+				PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "client"}}}}}},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := n.ListenInPod(string(pusher.UID), "tcp", ":9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	pushClient, err := n.DialFromPod(ctx, string(client.UID), "tcp", net.JoinHostPort(pusher.Status.PodIP, "9000"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pushClient.Close()
+	pushServer, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pushServer.Close()
+	push := func(what string) error {
+		if _, err := pushServer.Write([]byte(what)); err != nil {
+			return err
+		}
+		pushClient.SetReadDeadline(time.Now().Add(5 * time.Second))
+		b := make([]byte, len(what))
+		if _, err := io.ReadFull(pushClient, b); err != nil {
+			return err
+		}
+		if string(b) != what {
+			return fmt.Errorf("read %q, want %q", b, what)
+		}
+		return nil
+	}
+	if err := push("before"); err != nil {
+		t.Fatalf("the pushed connection before the install: %v", err)
+	}
+
 	for _, name := range []string{"guarded", "open"} {
 		if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment(name, 0), metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
@@ -181,6 +231,9 @@ func TestAdoptOnNode(t *testing.T) {
 			t.Errorf("the long-lived connection after adoption (request %d): %v", i, err)
 		}
 	}
+	if err := push("after"); err != nil {
+		t.Errorf("the pusher's connection after adoption, its first packet from the pusher: %v (its flow was not seeded as the client's)", err)
+	}
 	for _, p := range list("") {
 		for _, st := range p.Status.ContainerStatuses {
 			if st.RestartCount != 0 {
@@ -192,7 +245,7 @@ func TestAdoptOnNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := strings.Count(string(logs), "adopted a running pod"); got < 2*each+2 {
-		t.Errorf("the sweeper's log names %d adopted pods, want at least %d (this test's)", got, 2*each+2)
+	if got := strings.Count(string(logs), "adopted a running pod"); got < 2*each+3 {
+		t.Errorf("the sweeper's log names %d adopted pods, want at least %d (this test's)", got, 2*each+3)
 	}
 }
