@@ -38,6 +38,7 @@ commands:
   install-cni      install the podfence plugin and chain it last in the node's conflist
   uninstall-cni    take podfence out of the conflist and remove its binary
   uninstall        take podfence off the node: out of the chain, its hooks off every veth, its pins
+  aws-agent        what the AWS network-policy agent left on the node (--remove takes it off)
   ls               identifiers, their members and host veths, programs, counters
   dump conntrack   the eBPF conntrack entries, with owner pod, peer, age and flags
   trace            denied packets as the datapath reports them, with pod, reason and policy
@@ -76,6 +77,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdUpgrade(rest, stdout, stderr)
 	case "install-cni":
 		err = cmdInstallCNI(rest, stdout, stderr)
+	case "aws-agent":
+		err = cmdAWSAgent(rest, stdout, stderr)
 	case "uninstall":
 		err = cmdUninstall(rest, stdout, stderr)
 	case "uninstall-cni":
@@ -243,11 +246,11 @@ func hoistFlags(args []string) []string {
 }
 
 // booleanFlags are the flags of any command that take no value.
-var booleanFlags = map[string]bool{"json": true, "h": true, "help": true, "keep-chained": true, "adopt": true}
+var booleanFlags = map[string]bool{"json": true, "h": true, "help": true, "keep-chained": true, "adopt": true, "remove": true}
 
 // commands are the first words runMain knows.
 var commands = map[string]bool{"run": true, "sweep": true, "ls": true, "apply": true, "trace": true, "why": true,
-	"upgrade": true, "install-cni": true, "uninstall-cni": true, "uninstall": true, "dump": true}
+	"upgrade": true, "install-cni": true, "uninstall-cni": true, "uninstall": true, "aws-agent": true, "dump": true}
 
 func (c *common) globalOptions() (bpf.GlobalOptions, error) {
 	for flag, n := range map[string]uint{"--ct-v4-entries": c.ctV4, "--ct-v6-entries": c.ctV6} {

@@ -102,6 +102,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	start := time.Now()
 	rep, err := upgradeNode(g, c.pinRoot)
 	logUpgrade(log, rep, time.Since(start), err)
+	warnAWSAgent(log)
 	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Log: log})
 	if err != nil {
 		return err
