@@ -13,7 +13,7 @@ import (
 var soakDuration = flag.Duration("soak.duration", 15*time.Second, "how long TestSoak runs (hack/soak.sh sets minutes)")
 
 // TestSoak: connections through a service VIP between pods, as fast as a
-// few dialers go, while `run` sweeps every second and the backend's policy
+// few paced dialers go, while `run` sweeps every second and the backend's policy
 // changes every two seconds (each change a new generation, each one still
 // allowing the client). No connection of the client may fail, one
 // long-lived connection of it must carry data throughout, no connection of

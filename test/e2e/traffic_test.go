@@ -28,6 +28,11 @@ type liveTraffic struct {
 	failures []string
 }
 
+// dialerPace is the time between a dialer's connections: 4 dialers open
+// at most 400 a second, which TIME_WAIT's 60 s keeps within the client's
+// ports however long the traffic runs.
+const dialerPace = 10 * time.Millisecond
+
 // startTraffic starts dialers client dialers, the long-lived connection and
 // the stranger; Stop ends them.
 func startTraffic(t *testing.T, client, stranger *pod, dialers int) *liveTraffic {
@@ -42,7 +47,13 @@ func startTraffic(t *testing.T, client, stranger *pod, dialers int) *liveTraffic
 		l.wg.Add(1)
 		go func() {
 			defer l.wg.Done()
+			// Paced: each connection the client closes holds its port in
+			// TIME_WAIT for 60 s, and the client has 28,232 ephemeral
+			// ports; unpaced dialers ran out of them in 16 s.
+			pace := time.NewTicker(dialerPace)
+			defer pace.Stop()
 			for i := 0; !l.done.Load(); i++ {
+				<-pace.C
 				conn, err := dialEcho(client.netns)
 				if err == nil {
 					err = conn.roundTrip(strconv.Itoa(i))
