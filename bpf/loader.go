@@ -820,17 +820,25 @@ func CheckLoad() error {
 // RemoveNode removes the pin root's node-wide pins (the global maps, the
 // verified-build marks, the policy error) and then the root itself, once
 // RemoveIdentifier has emptied its identifiers. Loaded programs hold
-// their maps, so it is for a node podfence leaves. It removes only the
-// names podfence pins, so a wrong root loses nothing of another's, and
-// leaves a root that still holds something else; the error says what.
+// their maps, so it is for a node podfence leaves. Without the global
+// layout marker (not a pin root of podfence's, or one already removed) it
+// removes nothing but empty directories, so a wrong root loses nothing of
+// another's; a root that still holds something else stays, and the error
+// says so.
 func RemoveNode(pinRoot string) error {
 	r := pinpath.Root(pinRoot)
-	if _, err := os.Lstat(filepath.Join(r.Global(), pinpath.Layout)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove node pins: %w", err)
-	} else if err != nil {
-		if _, gerr := os.Stat(r.Global()); gerr == nil {
-			return fmt.Errorf("remove node pins: %s has no layout marker: not podfence's, left as it is", r.Global())
+	_, err := os.Lstat(filepath.Join(r.Global(), pinpath.Layout))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		// No global pins of podfence's here: only empty directories go.
+		for _, p := range []string{r.Identifiers(), pinRoot} {
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("remove node pins: %s has no layout marker of podfence's; %w", r.Global(), err)
+			}
 		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("remove node pins: %w", err)
 	}
 	for _, dir := range []string{r.Global(), r.Status()} {
 		if err := os.RemoveAll(dir); err != nil {

@@ -45,9 +45,15 @@ func (a *adopter) wake() {
 	}
 }
 
+// repairSettle is when a second pass follows one woken by a repair of the
+// chain: a pod whose ADD ran in the gap is not ready at the repair, and
+// adoption leaves a sandbox that is not ready alone.
+const repairSettle = 5 * time.Second
+
 func (a *adopter) run(ctx context.Context) {
 	tick := time.NewTicker(a.interval)
 	defer tick.Stop()
+	var settle <-chan time.Time // nil: no second pass due
 	why := "start"
 	for {
 		a.pass(ctx, why)
@@ -56,6 +62,10 @@ func (a *adopter) run(ctx context.Context) {
 			return
 		case <-a.kick:
 			why = "chain repaired"
+			settle = time.After(repairSettle)
+		case <-settle:
+			why = "chain repaired, pods created in the gap now ready"
+			settle = nil
 		case <-tick.C:
 			why = "periodic"
 		}

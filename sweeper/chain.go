@@ -19,8 +19,8 @@ import (
 
 // chainCheckEvery is how often the keeper looks at the CNI directories
 // without being told of a change: inotify misses nothing in a directory it
-// watches, but a directory replaced as a whole (a bind mount, a hostPath
-// recreated) is watched again only from here.
+// watches, and this is the fallback where a watch could not be set up or
+// failed (the keeper tries to watch again at each look).
 const chainCheckEvery = 30 * time.Second
 
 // chainResult is what one look at the node's CNI set-up changed.
@@ -31,13 +31,14 @@ type chainResult struct {
 }
 
 // ensureChained puts podfence last in the node's conflist, with conf as
-// its entry when it is missing (an entry already there is kept as it is),
-// and bin into the plugin directory: replacing a binary that differs when
-// replace is set (install-cni installs its build), only a missing or empty
-// one otherwise (the keeper does not fight an upgrade's newer binary). A
-// conflist it cannot parse is left as it is: ErrMalformed is returned and
-// nothing is written.
-func ensureChained(cf cniFlags, conf map[string]any, bin []byte, replace bool) (chainResult, error) {
+// its entry when it is missing, and bin into the plugin directory. With
+// install set (install-cni) an entry that is not last is moved to the end
+// and a binary that differs is replaced by bin; without it (the keeper)
+// only what is missing is put back: an entry elsewhere in the list, or
+// another build's binary, is someone's choice, and fighting it would be a
+// rewrite loop. A conflist it cannot parse is left as it is: ErrMalformed
+// is returned and nothing is written.
+func ensureChained(cf cniFlags, conf map[string]any, bin []byte, install bool) (chainResult, error) {
 	var res chainResult
 	path, data, err := cf.read()
 	if err != nil {
@@ -48,17 +49,28 @@ func ensureChained(cf cniFlags, conf map[string]any, bin []byte, replace bool) (
 	if err != nil {
 		return res, fmt.Errorf("%s: %w (left as it is)", path, err)
 	}
+	if !install {
+		if entry, err := cniconf.Entry(data); err == nil && entry != nil {
+			changed = false
+		}
+	}
 	// The binary first: a runtime that reads the list and finds podfence
 	// in it must find the binary too.
 	dst := filepath.Join(cf.binDir, cniconf.PluginType)
 	old, err := os.ReadFile(dst)
-	if err != nil || len(old) == 0 || (replace && !bytes.Equal(old, bin)) {
+	if err != nil || len(old) == 0 || (install && !bytes.Equal(old, bin)) {
 		if err := cniconf.WriteFileAtomic(dst, bin, 0o755); err != nil {
 			return res, fmt.Errorf("install %s: %w", dst, err)
 		}
 		res.installed = true
 	}
 	if changed {
+		// The primary CNI may have written the list again since it was
+		// read: its newer version is not overwritten with the older one
+		// (the change it makes calls the keeper again).
+		if again, err := os.ReadFile(path); err != nil || !bytes.Equal(again, data) {
+			return res, fmt.Errorf("%s changed while podfence was being chained into it: %w", path, errChangedMeanwhile)
+		}
 		if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
 			return res, fmt.Errorf("write %s: %w", path, err)
 		}
@@ -66,6 +78,9 @@ func ensureChained(cf cniFlags, conf map[string]any, bin []byte, replace bool) (
 	}
 	return res, nil
 }
+
+// errChangedMeanwhile: the conflist changed between its read and its write.
+var errChangedMeanwhile = errors.New("changed meanwhile")
 
 // pluginBinary reads the podfence binary to install: path, or podfence
 // beside this binary (the image holds both).
@@ -136,6 +151,10 @@ func (k *chainKeeper) check(why string) {
 		}
 	}
 	res, err := ensureChained(k.cf, k.conf, k.bin, false)
+	if errors.Is(err, errChangedMeanwhile) {
+		k.log.Info("the conflist changed while podfence was being chained: looking again", "error", err)
+		return // its change is another event
+	}
 	if err != nil {
 		k.intact.Set(0)
 		level := slog.LevelError

@@ -144,8 +144,11 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if err := unchain(cf, stdout); err != nil {
-		return err
+	// A conflist that cannot be read or changed does not keep the hooks
+	// on: they come off, and the error is returned at the end.
+	chainErr := unchain(cf, stdout)
+	if chainErr != nil {
+		fmt.Fprintf(stderr, "podfence-sweeper uninstall: %v; taking the hooks off anyway\n", chainErr)
 	}
 	r, err := lifecycle.RemoveAll(membership.New(c.pinRoot))
 	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)
@@ -156,8 +159,8 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("uninstall: identifiers %v kept: a member record podfence cannot read stands for hooks it does not know; see ls", r.Kept)
 	}
 	if err := bpf.RemoveNode(c.pinRoot); err != nil {
-		return err
+		return errors.Join(chainErr, err)
 	}
 	fmt.Fprintf(stdout, "removed %s\n", c.pinRoot)
-	return nil
+	return chainErr
 }

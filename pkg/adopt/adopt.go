@@ -25,13 +25,13 @@ import (
 	"net"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/invoke"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
-	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
 )
@@ -39,6 +39,13 @@ import (
 // IfName is the pod's interface the runtime's ADD names (the kubelet's
 // pods have eth0).
 const IfName = "eth0"
+
+// pluginTimeout bounds one run of the plugin, criTimeout one call to the
+// runtime.
+const (
+	pluginTimeout = time.Minute
+	criTimeout    = 10 * time.Second
+)
 
 // ErrNotChained is returned when the conflist has no podfence entry: there
 // is no configuration to adopt pods with.
@@ -82,7 +89,9 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		pinRoot = pinpath.DefaultRoot
 	}
 	store := membership.New(pinRoot)
-	sandboxes, err := o.Runtime.Sandboxes(ctx)
+	lctx, cancel := context.WithTimeout(ctx, criTimeout)
+	defer cancel()
+	sandboxes, err := o.Runtime.Sandboxes(lctx)
 	if err != nil && len(sandboxes) == 0 {
 		return r, err
 	}
@@ -90,8 +99,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		r.Failed = append(r.Failed, err) // some could not be read: the others are adopted
 	}
 	r.Sandboxes = len(sandboxes)
-	var flows []ctnetlink.Flow
-	dumped := false
+	var adopted []Sandbox
 	for _, sb := range sandboxes {
 		_, err := store.FindContainer(sb.ID, IfName)
 		if err == nil {
@@ -107,17 +115,19 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 			continue
 		}
 		r.Adopted = append(r.Adopted, sb.Namespace+"/"+sb.Name)
-		if o.Global == nil {
-			continue
-		}
-		if !dumped {
-			// After the first adoption, so that every flow it seeds
-			// was open before its programs were attached.
-			if flows, err = kernelFlows(); err != nil {
-				r.Failed = append(r.Failed, fmt.Errorf("read the kernel's conntrack table: no flow of the adopted pods seeded: %w", err))
-			}
-			dumped = true
-		}
+		adopted = append(adopted, sb)
+	}
+	if o.Global == nil || len(adopted) == 0 {
+		return r, nil
+	}
+	// Read once every pod of the pass is attached: a flow opened before
+	// is in the table, one opened after had its first packet judged.
+	flows, err := kernelFlows()
+	if err != nil {
+		r.Failed = append(r.Failed, fmt.Errorf("read the kernel's conntrack table: no flow of the adopted pods seeded: %w", err))
+		return r, nil
+	}
+	for _, sb := range adopted {
 		s, err := seed(o.Global, pinRoot, store, sb, flows)
 		r.Seeded.Allowed += s.Allowed
 		r.Seeded.Denied += s.Denied
@@ -187,15 +197,25 @@ func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
 			PluginArgsStr: strings.Join([]string{"IgnoreUnknown=1", "K8S_POD_NAMESPACE=" + sb.Namespace,
 				"K8S_POD_NAME=" + sb.Name, "K8S_POD_INFRA_CONTAINER_ID=" + sb.ID, "K8S_POD_UID=" + sb.UID}, ";")}
 	}
-	if _, err := invoke.ExecPluginWithResult(ctx, bin, stdin, args("ADD"), nil); err != nil {
+	// The plugin is not killed halfway when the sweeper stops (it would
+	// leave what a killed ADD leaves, which the next ADD repairs, but
+	// there is no need): only a hung one is.
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pluginTimeout)
+	defer cancel()
+	if _, err := invoke.ExecPluginWithResult(pctx, bin, stdin, args("ADD"), nil); err != nil {
 		return err
 	}
-	ready, err := o.Runtime.Ready(ctx, sb.ID)
-	if err == nil && ready {
+	rctx, rcancel := context.WithTimeout(ctx, criTimeout)
+	defer rcancel()
+	ready, err := o.Runtime.Ready(rctx, sb.ID)
+	if err != nil || ready {
+		// A runtime that does not answer now is no reason to take a live
+		// pod's hooks off: if it was deleted, its DEL or the orphan
+		// sweep removes the member.
 		return nil
 	}
 	// Deleted while it was adopted: take it off again (the runtime's own
 	// DEL may have run before the ADD held the identifier's lock).
-	delErr := invoke.ExecPluginWithoutResult(ctx, bin, stdin, args("DEL"), nil)
-	return errors.Join(fmt.Errorf("the sandbox stopped being ready while it was adopted (%v): removed again", err), delErr)
+	delErr := invoke.ExecPluginWithoutResult(pctx, bin, stdin, args("DEL"), nil)
+	return errors.Join(errors.New("the sandbox stopped being ready while it was adopted: removed again"), delErr)
 }

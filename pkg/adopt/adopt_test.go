@@ -13,7 +13,8 @@ func TestNetnsPath(t *testing.T) {
 		info map[string]string
 		want string // empty: an error
 	}{
-		{"containerd 2", map[string]string{"info": `{"netNamespacePath": "/var/run/netns/cni-1"}`}, "/var/run/netns/cni-1"},
+		{"containerd's default, under /var/run", map[string]string{"info": `{"netNamespacePath": "/var/run/netns/cni-1"}`}, "/run/netns/cni-1"},
+		{"under the state directory", map[string]string{"info": `{"netNamespacePath": "/run/containerd/io.containerd.grpc.v1.cri/netns/cni-3"}`}, "/run/containerd/io.containerd.grpc.v1.cri/netns/cni-3"},
 		{"only the OCI spec", map[string]string{"info": `{"runtimeSpec": {"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/run/netns/cni-2"}]}}}`}, "/run/netns/cni-2"},
 		{"no info", map[string]string{}, ""},
 		{"not JSON", map[string]string{"info": `{`}, ""},

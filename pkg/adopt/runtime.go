@@ -138,12 +138,23 @@ func netnsPath(info map[string]string) (string, error) {
 		return "", fmt.Errorf("the runtime's verbose status: %w", err)
 	}
 	if v.NetNSPath != "" {
-		return v.NetNSPath, nil
+		return hostRun(v.NetNSPath), nil
 	}
 	for _, ns := range v.RuntimeSpec.Linux.Namespaces {
 		if ns.Type == "network" && ns.Path != "" {
-			return ns.Path, nil
+			return hostRun(ns.Path), nil
 		}
 	}
 	return "", errors.New("the runtime reports no network namespace path")
+}
+
+// hostRun names a path under /var/run by /run. containerd puts network
+// namespaces under /var/run/netns unless told otherwise; on the host that
+// is a symlink to /run, but the sweeper's container mounts only /run, and
+// its /var/run holds the ServiceAccount's token.
+func hostRun(path string) string {
+	if rest, ok := strings.CutPrefix(path, "/var/run/"); ok {
+		return "/run/" + rest
+	}
+	return path
 }

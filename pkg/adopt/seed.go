@@ -6,6 +6,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ctnetlink"
+	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
@@ -79,12 +80,37 @@ func seed(g *bpf.Global, pinRoot string, store *membership.Store, sb Sandbox, fl
 			return s, fmt.Errorf("%s %s: %w", id, dir, err)
 		}
 		if ret == tcActShot {
+			// A packet between the attach and this seed may have written
+			// an entry as if it opened the flow: the policy refuses the
+			// flow as it was opened, so it goes.
+			if _, err := g.DeleteConntrack([]bpf.CTEntry{ctEntry(dir, pkt, uint32(m.HostIfindex))}); err != nil {
+				return s, err
+			}
 			s.Denied++
 		} else {
 			s.Allowed++
 		}
 	}
 	return s, nil
+}
+
+// ctEntry is the conntrack entry the datapath keys pkt's flow by: from
+// the pod's side (the pod as source), on its host veth.
+func ctEntry(dir policy.Direction, pkt packet.Packet, ifindex uint32) bpf.CTEntry {
+	pod, peer, podPort, peerPort := pkt.Src, pkt.Dst, pkt.SrcPort, pkt.DstPort
+	if dir == policy.Ingress {
+		pod, peer, podPort, peerPort = pkt.Dst, pkt.Src, pkt.DstPort, pkt.SrcPort
+	}
+	k := liveness.Key{Family: 6, Proto: pkt.Proto, SrcPort: podPort, DstPort: peerPort}
+	if pod.Is4() {
+		k.Family = 4
+		a, b := pod.As4(), peer.As4()
+		copy(k.Src[:], a[:])
+		copy(k.Dst[:], b[:])
+	} else {
+		k.Src, k.Dst = pod.As16(), peer.As16()
+	}
+	return bpf.CTEntry{Key: k, Ifindex: ifindex}
 }
 
 // opening is the first packet of f as the pod's veth saw it, and the

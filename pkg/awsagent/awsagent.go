@@ -47,7 +47,7 @@ type Leftovers struct {
 // Empty says whether nothing of the agent is left.
 func (l Leftovers) Empty() bool { return len(l.Filters) == 0 && len(l.Pins) == 0 }
 
-// Find lists the agent's filters on the veths of the calling thread's
+// Find lists the agent's filters on the veths and vlan links of the calling thread's
 // network namespace (the node's) and its pins under pinDir.
 func Find(pinDir string) (Leftovers, error) {
 	var l Leftovers
@@ -61,7 +61,7 @@ func Find(pinDir string) (Leftovers, error) {
 		return l, fmt.Errorf("list links: %w", err)
 	}
 	for _, link := range links {
-		if link.Type() != "veth" {
+		if t := link.Type(); t != "veth" && t != "vlan" { // vlan: pods with their own security groups
 			continue
 		}
 		for _, hook := range []struct {

@@ -205,6 +205,21 @@ func TestAdoptOnNode(t *testing.T) {
 	if err := n.InstallPodfence(manifest); err != nil {
 		t.Fatal(err)
 	}
+	// Every pod of this test adopted (and its flows seeded) before the
+	// checks: otherwise a check could pass on a pod not yet adopted.
+	waitFor(t, "this test's pods adopted", 2*time.Minute, func() error {
+		logs, err := n.Kubectl("-n", "kube-system", "logs", "ds/podfence-sweeper", "-c", "sweeper")
+		if err != nil {
+			return err
+		}
+		if got := strings.Count(string(logs), `"pod":"`+ns+`/`); got < 2*each+3 {
+			return fmt.Errorf("%d of this test's pods adopted", got)
+		}
+		if !strings.Contains(string(logs), `"msg":"adoption pass"`) {
+			return errors.New("no adoption pass done")
+		}
+		return nil
+	})
 	for _, p := range guarded {
 		waitFor(t, "guarded pod "+p.Name+" fenced", time.Minute, func() error {
 			err := reaches(stranger, p.Status.PodIP)
@@ -240,12 +255,5 @@ func TestAdoptOnNode(t *testing.T) {
 				t.Errorf("pod %s restarted %d times", p.Name, st.RestartCount)
 			}
 		}
-	}
-	logs, err := n.Kubectl("-n", "kube-system", "logs", "ds/podfence-sweeper", "-c", "sweeper")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := strings.Count(string(logs), "adopted a running pod"); got < 2*each+3 {
-		t.Errorf("the sweeper's log names %d adopted pods, want at least %d (this test's)", got, 2*each+3)
 	}
 }

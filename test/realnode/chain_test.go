@@ -110,7 +110,10 @@ func TestChainKeptOnNode(t *testing.T) {
 	// Each is fenced: the stranger's SYN is dropped (a timeout), while
 	// the pod answers its kubelet's probes (it is Ready).
 	for _, p := range pods.Items {
-		waitFor(t, "web pod "+p.Name+" fenced", 10*time.Second, func() error {
+		// A pod whose ADD ran in the gap is adopted once it is ready:
+		// within the adopter's second pass after the repair (5 s), or
+		// its periodic one.
+		waitFor(t, "web pod "+p.Name+" fenced", 45*time.Second, func() error {
 			dctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 			defer cancel()
 			c, err := n.DialFromPod(dctx, string(stranger.UID), "tcp", net.JoinHostPort(p.Status.PodIP, "8080"))

@@ -47,10 +47,12 @@ func BenchmarkPodStart(b *testing.B) {
 	// The sweeper keeps podfence in the chain (--keep-chained): it goes
 	// off the node while the primary conflist alone is measured.
 	pauseSweeper(b, n)
+	b.Cleanup(func() {
+		writeConflist(b, n, string(chained))
+		resumeSweeper(b, n)
+	})
 	writeConflist(b, n, node.PrimaryConflist())
 	without := measure("without")
-	writeConflist(b, n, string(chained))
-	resumeSweeper(b, n)
 	b.ReportMetric(with, "with-podfence-p50-s")
 	b.ReportMetric(without, "without-podfence-p50-s")
 	b.ReportMetric(with/without, "ratio")
