@@ -146,6 +146,17 @@ func (s *supervisor) mounts() error {
 			return fmt.Errorf("bind %s: %w", b.dst, err)
 		}
 	}
+	// containerd's state directory as containerd makes it (0711): one a
+	// containerd shim of another test left on the host is 0600 (the shim
+	// makes its socket directory's parents so), which containerd keeps,
+	// and which denies its socket to a root without CAP_DAC_OVERRIDE,
+	// such as the sweeper's container. The change stays in the overlay.
+	if err := os.MkdirAll("/run/containerd", 0o711); err != nil {
+		return err
+	}
+	if err := os.Chmod("/run/containerd", 0o711); err != nil {
+		return err
+	}
 	if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, "mode=0700"); err != nil {
 		return fmt.Errorf("bpffs: %w", err)
 	}

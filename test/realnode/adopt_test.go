@@ -138,6 +138,14 @@ func TestAdoptOnNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pushServer.Close()
+	// Keepalive probes from the client would open the flow again in the
+	// client's direction while the connection idles through the install:
+	// the test is about which side sends first, so neither end probes.
+	for _, c := range []net.Conn{pushClient, pushServer} {
+		if err := c.(*net.TCPConn).SetKeepAlive(false); err != nil {
+			t.Fatal(err)
+		}
+	}
 	push := func(what string) error {
 		if _, err := pushServer.Write([]byte(what)); err != nil {
 			return err
@@ -233,6 +241,13 @@ func TestAdoptOnNode(t *testing.T) {
 		})
 	}
 	t.Logf("every guarded pod fenced %v after the install began", time.Since(start).Round(time.Millisecond))
+	if logs, err := n.Kubectl("-n", "kube-system", "logs", "ds/podfence-sweeper", "-c", "sweeper"); err == nil {
+		for _, line := range strings.Split(string(logs), "\n") {
+			if strings.Contains(line, `"msg":"adoption pass"`) {
+				t.Logf("sweeper: %s", line)
+			}
+		}
+	}
 	for _, p := range open {
 		if err := reaches(stranger, p.Status.PodIP); err != nil {
 			t.Errorf("open pod %s: the stranger cannot reach it: %v", p.Name, err)
