@@ -400,28 +400,13 @@ func (n *Node) ListenInPod(uid, network, addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	type result struct {
-		l   net.Listener
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread leaves the root namespace
-		f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/ns/net")
-		if err != nil {
-			ch <- result{nil, err}
-			return
-		}
-		defer f.Close()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			ch <- result{nil, fmt.Errorf("enter pod %s's network namespace: %w", uid, err)}
-			return
-		}
-		l, err := net.Listen(network, addr)
-		ch <- result{l, err}
-	}()
-	r := <-ch
-	return r.l, r.err
+	var l net.Listener
+	err = inNetns("/proc/"+strconv.Itoa(pid)+"/ns/net", func() error {
+		var err error
+		l, err = net.Listen(network, addr)
+		return err
+	})
+	return l, err
 }
 
 // podProcess finds a process of the pod with uid by its cgroup (the
@@ -442,32 +427,38 @@ func podProcess(uid string) (int, error) {
 }
 
 // dialIn connects from inside the network namespace at nsPath: a socket
-// keeps the namespace it was made in, so only the connect runs there, on
-// a thread that is thrown away.
+// keeps the namespace it was made in, so only the connect runs there.
 func dialIn(nsPath string, ctx context.Context, network, addr string) (net.Conn, error) {
-	type result struct {
-		c   net.Conn
-		err error
-	}
-	ch := make(chan result, 1)
+	var c net.Conn
+	err := inNetns(nsPath, func() error {
+		var d net.Dialer
+		var err error
+		c, err = d.DialContext(ctx, network, addr)
+		return err
+	})
+	return c, err
+}
+
+// inNetns runs fn in the network namespace at nsPath, on a thread that is
+// thrown away afterwards (it never returns to the root namespace). The
+// sockets fn makes keep that namespace.
+func inNetns(nsPath string, fn func() error) error {
+	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread leaves the root namespace
 		f, err := os.Open(nsPath)
 		if err != nil {
-			ch <- result{nil, err}
+			errc <- err
 			return
 		}
 		defer f.Close()
 		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			ch <- result{nil, fmt.Errorf("enter %s: %w", nsPath, err)}
+			errc <- fmt.Errorf("enter %s: %w", nsPath, err)
 			return
 		}
-		var d net.Dialer
-		c, err := d.DialContext(ctx, network, addr)
-		ch <- result{c, err}
+		errc <- fn()
 	}()
-	r := <-ch
-	return r.c, r.err
+	return <-errc
 }
 
 // Apply applies a manifest with the node's kubectl.

@@ -95,17 +95,7 @@ func TestAdoptOnNode(t *testing.T) {
 	const each = 20
 	stranger := runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
 	client := runPod(t, cs, ns, netexecPod("client", map[string]string{"app": "client"}))
-	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: "guarded"},
-		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "guarded"}},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
-			Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{
-				PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "client"}}}}}},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	isolateIngress(t, cs, ns, "guarded", "client")
 	// The pusher lets the client in and sends nothing of its own: a
 	// connection the client opened to it lives on only as a flow the
 	// client opened, which its conntrack entry must say. Its first packet
@@ -182,16 +172,7 @@ func TestAdoptOnNode(t *testing.T) {
 		return pods.Items
 	}
 	guarded, open := list("guarded"), list("open")
-	reaches := func(from *corev1.Pod, ip string) error {
-		dctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-		defer cancel()
-		c, err := n.DialFromPod(dctx, string(from.UID), "tcp", net.JoinHostPort(ip, "8080"))
-		if err != nil {
-			return err
-		}
-		return c.Close()
-	}
-	if err := reaches(stranger, guarded[0].Status.PodIP); err != nil {
+	if err := reaches(n, stranger.UID, guarded[0].Status.PodIP); err != nil {
 		t.Fatalf("before podfence, the stranger cannot reach a guarded pod (%v): the test would prove nothing", err)
 	}
 
@@ -230,7 +211,7 @@ func TestAdoptOnNode(t *testing.T) {
 	})
 	for _, p := range guarded {
 		waitFor(t, "guarded pod "+p.Name+" fenced", time.Minute, func() error {
-			err := reaches(stranger, p.Status.PodIP)
+			err := reaches(n, stranger.UID, p.Status.PodIP)
 			if err == nil {
 				return errors.New("the stranger reaches it")
 			}
@@ -249,11 +230,11 @@ func TestAdoptOnNode(t *testing.T) {
 		}
 	}
 	for _, p := range open {
-		if err := reaches(stranger, p.Status.PodIP); err != nil {
+		if err := reaches(n, stranger.UID, p.Status.PodIP); err != nil {
 			t.Errorf("open pod %s: the stranger cannot reach it: %v", p.Name, err)
 		}
 	}
-	if err := reaches(client, guarded[1].Status.PodIP); err != nil {
+	if err := reaches(n, client.UID, guarded[1].Status.PodIP); err != nil {
 		t.Errorf("the client cannot open a connection the policy allows: %v", err)
 	}
 	for i := range 3 {

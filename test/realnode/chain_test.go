@@ -4,14 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
-	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/podfence/podfence/test/node"
@@ -48,25 +44,8 @@ func TestChainKeptOnNode(t *testing.T) {
 	ns := namespace(t, cs, "chain")
 	ctx := context.Background()
 	stranger := runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
-	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: "web-deny"},
-		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	web := netexecPod("", map[string]string{"app": "web"})
-	dep := &appsv1.Deployment{
-		ObjectMeta: metav1.ObjectMeta{Name: "web"},
-		Spec: appsv1.DeploymentSpec{
-			Replicas: new(int32),
-			Selector: &metav1.LabelSelector{MatchLabels: web.Labels},
-			Template: corev1.PodTemplateSpec{ObjectMeta: web.ObjectMeta, Spec: web.Spec},
-		},
-	}
-	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
+	isolateIngress(t, cs, ns, "web")
+	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("web", 0), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	// Whatever happens, the node keeps its chain for the other tests.
@@ -114,11 +93,8 @@ func TestChainKeptOnNode(t *testing.T) {
 		// within the adopter's second pass after the repair (5 s), or
 		// its periodic one.
 		waitFor(t, "web pod "+p.Name+" fenced", 45*time.Second, func() error {
-			dctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-			defer cancel()
-			c, err := n.DialFromPod(dctx, string(stranger.UID), "tcp", net.JoinHostPort(p.Status.PodIP, "8080"))
+			err := reaches(n, stranger.UID, p.Status.PodIP)
 			if err == nil {
-				c.Close()
 				return fmt.Errorf("the stranger reaches %s at %s", p.Name, p.Status.PodIP)
 			}
 			if !isTimeout(err) {

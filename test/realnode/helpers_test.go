@@ -12,7 +12,9 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -156,3 +158,36 @@ func dialFrom(n *node.Node, podIP, host string, port int, path string) ([]string
 }
 
 func intOrName(name string) intstr.IntOrString { return intstr.FromString(name) }
+
+// isolateIngress writes a NetworkPolicy that isolates the ingress of the
+// pods labelled app=app, allowing only the pods labelled app=<from> (none:
+// default deny).
+func isolateIngress(t testing.TB, cs *kubernetes.Clientset, ns, app string, from ...string) {
+	t.Helper()
+	var rules []networkingv1.NetworkPolicyIngressRule
+	for _, f := range from {
+		rules = append(rules, networkingv1.NetworkPolicyIngressRule{From: []networkingv1.NetworkPolicyPeer{{
+			PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": f}}}}})
+	}
+	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(context.Background(), &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: app + "-ingress"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": app}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress:     rules,
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// reaches connects from the pod with uid to ip's port 8080 (netexec's).
+func reaches(n *node.Node, uid types.UID, ip string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	c, err := n.DialFromPod(ctx, string(uid), "tcp", net.JoinHostPort(ip, "8080"))
+	if err != nil {
+		return err
+	}
+	return c.Close()
+}

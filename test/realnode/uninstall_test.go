@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"regexp"
 	"strings"
@@ -13,7 +12,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -58,26 +56,10 @@ func TestUninstallOnNode(t *testing.T) {
 	ctx := context.Background()
 	stranger := runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
 	web := runPod(t, cs, ns, netexecPod("web", map[string]string{"app": "web"}))
-	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: "web-deny"},
-		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	reaches := func() error {
-		dctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-		defer cancel()
-		c, err := n.DialFromPod(dctx, string(stranger.UID), "tcp", net.JoinHostPort(web.Status.PodIP, "8080"))
-		if err != nil {
-			return err
-		}
-		return c.Close()
-	}
+	isolateIngress(t, cs, ns, "web")
+	strangerReaches := func() error { return reaches(n, stranger.UID, web.Status.PodIP) }
 	waitFor(t, "the web pod fenced", 30*time.Second, func() error {
-		if reaches() == nil {
+		if strangerReaches() == nil {
 			return errors.New("the stranger reaches it")
 		}
 		return nil
@@ -103,7 +85,7 @@ func TestUninstallOnNode(t *testing.T) {
 		}
 		return nil
 	})
-	if err := reaches(); err != nil {
+	if err := strangerReaches(); err != nil {
 		t.Errorf("the stranger cannot reach the web pod after the uninstall: %v", err)
 	}
 	for _, p := range []string{"web", "stranger"} {
