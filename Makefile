@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance churn latency restarts podstart
+.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance churn latency restarts podstart adoption
 
 all: build
 
@@ -99,6 +99,10 @@ latency:
 
 restarts:
 	$(REALNODE) PODFENCE_RESTART_ROUNDS=5 $(GO) test -count=1 -timeout 1h -v -run '^TestRestartsUnderTraffic$$' ./test/realnode/
+
+# Time to fence a full node (110 pods) podfence is installed on, tc and tcx.
+adoption:
+	$(REALNODE) $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^BenchmarkAdoption$$' -benchtime 1x ./test/realnode/
 
 podstart:
 	$(REALNODE) $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^BenchmarkPodStart$$' -benchtime 1x ./test/realnode/

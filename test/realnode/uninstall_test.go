@@ -102,7 +102,7 @@ func TestUninstallOnNode(t *testing.T) {
 // uninstallPodfence takes podfence off the node as the README says: the
 // DaemonSet deleted, then podfence-sweeper uninstall from the image in a
 // node debug pod (in namespace ns).
-func uninstallPodfence(t *testing.T, n *node.Node, cs *kubernetes.Clientset, ns string) {
+func uninstallPodfence(t testing.TB, n *node.Node, cs *kubernetes.Clientset, ns string) {
 	t.Helper()
 	ctx := context.Background()
 	if out, err := n.Kubectl("-n", "kube-system", "delete", "ds", "podfence-sweeper", "--wait"); err != nil {
