@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -75,13 +74,8 @@ func TestAWSAgentLeftovers(t *testing.T) {
 
 			run := func(args ...string) string {
 				t.Helper()
-				cmd := exec.Command(c.sweeperBin, append([]string{"aws-agent", "--aws-pin-dir", pinDir}, args...)...)
-				var out []byte
-				if err := c.inNode(func() error {
-					var err error
-					out, err = cmd.CombinedOutput()
-					return err
-				}); err != nil {
+				out, err := c.sweeper(t, append([]string{"aws-agent", "--aws-pin-dir", pinDir}, args...)...)
+				if err != nil {
 					t.Fatalf("aws-agent %v: %v\n%s", args, err, out)
 				}
 				return string(out)

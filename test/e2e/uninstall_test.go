@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -84,13 +83,8 @@ func TestUninstall(t *testing.T) {
 
 			uninstall := func() string {
 				t.Helper()
-				cmd := exec.Command(c.sweeperBin, append([]string{"uninstall", "--pin-root", c.pinRoot}, dirs...)...)
-				var out []byte
-				if err := c.inNode(func() error {
-					var err error
-					out, err = cmd.CombinedOutput()
-					return err
-				}); err != nil {
+				out, err := c.sweeper(t, append([]string{"uninstall", "--pin-root", c.pinRoot}, dirs...)...)
+				if err != nil {
 					t.Fatalf("uninstall: %v\n%s", err, out)
 				}
 				return string(out)

@@ -28,17 +28,11 @@ func BenchmarkAdoption(b *testing.B) {
 	cs := clientset(b, n)
 	ns := namespace(b, cs, "adoptbench")
 	ctx := context.Background()
+	reinstallAtEnd(b, n)
 	manifest, err := os.ReadFile("../../conf/podfence-sweeper.yaml")
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() {
-		if n.WaitPodfence(time.Second) != nil {
-			if err := n.InstallPodfence(manifest); err != nil {
-				b.Errorf("podfence not installed again: %v", err)
-			}
-		}
-	})
 	all, err := cs.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 	if err != nil {
 		b.Fatal(err)

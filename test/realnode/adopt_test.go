@@ -62,7 +62,7 @@ func deployment(name string, replicas int32) *appsv1.Deployment {
 
 // reinstallAtEnd installs podfence again when the test ends, if a step
 // took it off and did not put it back: the other tests need it.
-func reinstallAtEnd(t *testing.T, n *node.Node) {
+func reinstallAtEnd(t testing.TB, n *node.Node) {
 	t.Helper()
 	manifest, err := os.ReadFile("../../conf/podfence-sweeper.yaml")
 	if err != nil {
