@@ -78,7 +78,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	store := membership.New(c.pinRoot)
-	lock, err := store.Lock(q.id, false)
+	lock, err := store.Lock(q.id)
 	if err != nil {
 		return err
 	}

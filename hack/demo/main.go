@@ -312,7 +312,7 @@ func (d *demo) tryConnect(from, to *pod, port int, want bool) {
 }
 
 func (d *demo) showIdentifier(id string) error {
-	lock, err := membership.New(d.pinRoot).Lock(podid.ID(id), false)
+	lock, err := membership.New(d.pinRoot).Lock(podid.ID(id))
 	if err != nil {
 		return err
 	}

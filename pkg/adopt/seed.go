@@ -52,7 +52,7 @@ func seed(g *bpf.Global, pinRoot string, store *membership.Store, sb Sandbox, fl
 	if err != nil {
 		return s, err
 	}
-	lock, err := store.Lock(id, false)
+	lock, err := store.Lock(id)
 	if err != nil {
 		return s, err
 	}

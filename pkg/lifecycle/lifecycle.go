@@ -197,7 +197,7 @@ type Collected struct {
 // with its directory (invariant 1: nothing else was attached for it).
 func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) (Collected, error) {
 	var out Collected
-	lock, err := store.Lock(id, false)
+	lock, err := store.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return out, nil
 	}
@@ -408,7 +408,7 @@ func Upgrade(g *bpf.Global, store *membership.Store) ([]Upgraded, error) {
 }
 
 func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded, error) {
-	lock, err := store.Lock(id, false)
+	lock, err := store.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return nil, nil
 	}
@@ -458,7 +458,7 @@ func RemoveAll(store *membership.Store) (Removed, error) {
 	}
 	var errs []error
 	for _, id := range ids {
-		lock, err := store.Lock(id, false)
+		lock, err := store.Lock(id)
 		if errors.Is(err, membership.ErrNoIdentifier) {
 			continue // removed by its last DEL meanwhile
 		}

@@ -62,16 +62,21 @@ type Lock struct {
 	f   *os.File
 }
 
-// Lock takes the identifier's lock, waiting for another holder. With create,
-// the identifier's directory is made when missing; without, a missing
-// directory is ErrNoIdentifier.
-//
-// The last member's removal deletes the directory while its remover holds
-// the lock, so a waiter may wake up holding the lock of a directory that is
-// gone. Lock therefore checks, once it holds the flock, that the path still
-// names the directory it locked, and starts again otherwise: two processes
-// never both hold an identifier.
-func (s *Store) Lock(id podid.ID, create bool) (*Lock, error) {
+// Lock takes the lock of an identifier that exists, waiting for another
+// holder; a missing identifier is ErrNoIdentifier. Everything but an ADD
+// locks this way: it must not bring back an identifier that was removed.
+func (s *Store) Lock(id podid.ID) (*Lock, error) { return s.lock(id, false) }
+
+// LockOrCreate takes the identifier's lock, making its directory when it is
+// missing: an ADD's.
+func (s *Store) LockOrCreate(id podid.ID) (*Lock, error) { return s.lock(id, true) }
+
+// lock waits for the identifier's flock. The last member's removal deletes
+// the directory while its remover holds the lock, so a waiter may wake up
+// holding the lock of a directory that is gone. lock therefore checks, once
+// it holds the flock, that the path still names the directory it locked,
+// and starts again otherwise: two processes never both hold an identifier.
+func (s *Store) lock(id podid.ID, create bool) (*Lock, error) {
 	if !podid.Valid(string(id)) {
 		return nil, fmt.Errorf("lock identifier %q: %w", id, podid.ErrInvalid)
 	}
@@ -208,7 +213,7 @@ func (l *Lock) Scan() (Scan, error) {
 // returns: for readers that only look. An identifier gone meanwhile (its
 // last member left) is ErrNoIdentifier.
 func (s *Store) ScanIdentifier(id podid.ID) (Scan, error) {
-	lock, err := s.Lock(id, false)
+	lock, err := s.Lock(id)
 	if err != nil {
 		return Scan{}, err
 	}

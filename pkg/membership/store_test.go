@@ -35,7 +35,7 @@ func member(container string) Member {
 
 func lock(t *testing.T, s *Store, id podid.ID) *Lock {
 	t.Helper()
-	l, err := s.Lock(id, true)
+	l, err := s.LockOrCreate(id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,7 +54,7 @@ func inode(t *testing.T, path string) uint64 {
 
 func TestLockWithoutCreate(t *testing.T) {
 	s := New(kernel.PinRoot(t))
-	_, err := s.Lock(testID, false)
+	_, err := s.Lock(testID)
 	if !errors.Is(err, ErrNoIdentifier) || !strings.Contains(err.Error(), string(testID)) {
 		t.Fatalf("Lock without create on a missing identifier: %v, want ErrNoIdentifier naming it", err)
 	}
@@ -62,7 +62,7 @@ func TestLockWithoutCreate(t *testing.T) {
 		t.Errorf("Lock without create made the directory: %v", err)
 	}
 
-	l, err := s.Lock(testID, true)
+	l, err := s.LockOrCreate(testID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,14 +73,14 @@ func TestLockWithoutCreate(t *testing.T) {
 		t.Errorf("Lock with create: %v", err)
 	}
 	l.Unlock()
-	l, err = s.Lock(testID, false)
+	l, err = s.Lock(testID)
 	if err != nil {
 		t.Fatalf("Lock without create on an existing identifier: %v", err)
 	}
 	l.Unlock()
 
 	for _, bad := range []podid.ID{"", "../x@y", "a/b@c", "a.b@c", "no-at-sign"} {
-		if _, err := s.Lock(bad, true); !errors.Is(err, podid.ErrInvalid) {
+		if _, err := s.LockOrCreate(bad); !errors.Is(err, podid.ErrInvalid) {
 			t.Errorf("Lock(%q): %v, want podid.ErrInvalid", bad, err)
 		}
 	}
@@ -123,7 +123,7 @@ type lockResult struct {
 func lockAsync(s *Store, id podid.ID, create bool) <-chan lockResult {
 	ch := make(chan lockResult, 1)
 	go func() {
-		l, err := s.Lock(id, create)
+		l, err := s.lock(id, create)
 		ch <- lockResult{l, err}
 	}()
 	return ch
@@ -135,7 +135,7 @@ func lockAsync(s *Store, id podid.ID, create bool) <-chan lockResult {
 // caller would lock independently.
 func TestLockWaiterRelocksRemovedDirectory(t *testing.T) {
 	s := New(kernel.PinRoot(t))
-	holder, err := s.Lock(testID, true)
+	holder, err := s.LockOrCreate(testID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +192,7 @@ func TestLockWaiterRelocksRemovedDirectory(t *testing.T) {
 // finds the identifier gone once the holder removed it.
 func TestLockWaiterWithoutCreate(t *testing.T) {
 	s := New(kernel.PinRoot(t))
-	holder, err := s.Lock(testID, true)
+	holder, err := s.LockOrCreate(testID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -227,7 +227,7 @@ func TestLockWaiterWithoutCreate(t *testing.T) {
 // a new one), so it is the last thing a holder does, as in the CNI plugin;
 // the marker goes before it.
 func holdAndCheck(s *Store, id podid.ID, rng *rand.Rand, container string) error {
-	l, err := s.Lock(id, true)
+	l, err := s.LockOrCreate(id)
 	if err != nil {
 		return err
 	}
@@ -508,7 +508,7 @@ func TestIdentifiersAndFindContainer(t *testing.T) {
 		id        podid.ID
 		container string
 	}{{testID, "c1"}, {testID, "c2"}, {other, "c3"}} {
-		l, err := s.Lock(x.id, true)
+		l, err := s.LockOrCreate(x.id)
 		if err != nil {
 			t.Fatal(err)
 		}

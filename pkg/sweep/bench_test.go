@@ -138,7 +138,7 @@ func newNode(tb testing.TB, opts bpf.GlobalOptions, ips ...netip.Prefix) (string
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { g.Close() })
-	lock, err := membership.New(pinRoot).Lock(podid.ID("web-7f65cc6544@default"), true)
+	lock, err := membership.New(pinRoot).LockOrCreate(podid.ID("web-7f65cc6544@default"))
 	if err != nil {
 		tb.Fatal(err)
 	}

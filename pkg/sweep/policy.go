@@ -87,7 +87,7 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) 
 	var errs []error
 	for _, id := range ids {
 		err := func() error {
-			lock, err := store.Lock(id, false)
+			lock, err := store.Lock(id)
 			if errors.Is(err, membership.ErrNoIdentifier) {
 				return nil
 			}

@@ -87,7 +87,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	call.mark("check-policy")
 
 	store := membership.New(conf.PinRoot)
-	lock, err := store.Lock(id, true)
+	lock, err := store.LockOrCreate(id)
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -246,7 +246,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	// failed ADD, twice): it works from the record alone, and finds the
 	// identifier by search when the arguments do not name it.
 	id, idErr := identify(args)
-	lock, err := store.Lock(id, false)
+	lock, err := store.Lock(id)
 	if idErr != nil || errors.Is(err, membership.ErrNoIdentifier) {
 		found, ferr := store.FindContainer(args.ContainerID, args.IfName)
 		if errors.Is(ferr, membership.ErrNotMember) {
@@ -258,7 +258,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 			return types.NewError(errState, ferr.Error(), "")
 		}
 		id = found
-		lock, err = store.Lock(id, false)
+		lock, err = store.Lock(id)
 	}
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		call.action = "nothing recorded"
@@ -319,7 +319,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.id = id
-	lock, err := membership.New(conf.PinRoot).Lock(id, false)
+	lock, err := membership.New(conf.PinRoot).Lock(id)
 	if err != nil {
 		return types.NewError(errState, fmt.Sprintf("container %s: %v", args.ContainerID, err), "")
 	}

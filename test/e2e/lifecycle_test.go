@@ -751,7 +751,7 @@ func TestCheck(t *testing.T) {
 
 			// a's record is gone (a's programs are still attached).
 			store := membership.New(c.pinRoot)
-			l, err := store.Lock(webID, false)
+			l, err := store.Lock(webID)
 			if err != nil {
 				t.Fatal(err)
 			}

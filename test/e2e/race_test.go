@@ -354,7 +354,7 @@ func planReplica(rng *rand.Rand, mode string, r *raceReplica, kind roundKind) []
 // released when start returns.
 func (c *cluster) barrier(t *testing.T, id podid.ID, start func(waitFor func(n int))) {
 	t.Helper()
-	lock, err := membership.New(c.pinRoot).Lock(id, false)
+	lock, err := membership.New(c.pinRoot).Lock(id)
 	if err != nil {
 		t.Fatalf("hold the lock of %s: %v", id, err)
 	}

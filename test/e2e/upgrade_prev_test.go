@@ -158,7 +158,7 @@ func readSources(t *testing.T, c *cluster, id podid.ID) map[uint32]bpf.Sources {
 // identifier's lock.
 func (c *cluster) setSources(t *testing.T, id podid.ID, p *pod) {
 	t.Helper()
-	lock, err := membership.New(c.pinRoot).Lock(id, false)
+	lock, err := membership.New(c.pinRoot).Lock(id)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -144,7 +144,7 @@ func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lock, err := membership.New(c.pinRoot).Lock(id, false)
+	lock, err := membership.New(c.pinRoot).Lock(id)
 	if err != nil {
 		t.Fatal(err)
 	}
