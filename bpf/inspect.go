@@ -76,10 +76,7 @@ func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
 		return info, fmt.Errorf("read state of %q: %w", id, err)
 	}
 	info.Generation = st.Generation
-	info.Mode = policy.ModeStandard
-	if st.Mode == stateModeStrict {
-		info.Mode = policy.ModeStrict
-	}
+	info.Mode = stateMode(st)
 	info.Isolated = [2]bool{st.Isolated&(1<<policy.Ingress) != 0, st.Isolated&(1<<policy.Egress) != 0}
 	i := Identifier{ID: id, Counters: counters}
 	if info.Counters, err = i.ReadCounters(); err != nil {

@@ -291,6 +291,21 @@ func TestApplyPolicyBumpsGenerationOnlyOnChange(t *testing.T) {
 	}
 }
 
+// TestModeRecorded: the mode a policy was applied in is what Mode and
+// InspectIdentifier read back, for a reapply that must keep it.
+func TestModeRecorded(t *testing.T) {
+	h := newHarness(t)
+	for _, mode := range []policy.Mode{policy.ModeStrict, policy.ModeStandard, policy.ModeStrict} {
+		set := isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil)
+		set.Mode = mode
+		h.apply(t, set)
+		got, err := h.id.Mode()
+		if err != nil || got != mode {
+			t.Errorf("applied in %s: Mode %q, %v", mode, got, err)
+		}
+	}
+}
+
 // TestConntrackTableSize: the conntrack maps' capacity is a node setting;
 // the programs use maps of that size, and pins of another size are refused
 // with an error that names both sizes.

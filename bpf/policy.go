@@ -230,6 +230,24 @@ func (i *Identifier) Generation() (uint32, error) {
 	return st.Generation, nil
 }
 
+// Mode returns the enforcing mode the identifier's state records (the one
+// its first ADD set).
+func (i *Identifier) Mode() (policy.Mode, error) {
+	var st podfenceIdState
+	if err := i.State.Lookup(uint32(0), &st); err != nil {
+		return "", fmt.Errorf("read state of %q: %w", i.ID, err)
+	}
+	return stateMode(st), nil
+}
+
+// stateMode is the mode a state value records.
+func stateMode(st podfenceIdState) policy.Mode {
+	if st.Mode == stateModeStrict {
+		return policy.ModeStrict
+	}
+	return policy.ModeStandard
+}
+
 // waitForPrograms returns once every run of a BPF program that started
 // before the call has ended. TC programs run inside RCU read-side critical
 // sections with preemption off (softirq, or bottom halves disabled), and

@@ -98,18 +98,18 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) 
 			if sc, err := lock.Scan(); err != nil || !sc.InUse() {
 				return err // no member: nothing attached to program
 			}
-			// Opened first: it takes over pins of an earlier build,
-			// which InspectIdentifier would refuse.
+			// Opened through lifecycle: it takes over pins of an
+			// earlier build.
 			ident, up, err := lifecycle.OpenIdentifier(g, pinRoot, lock)
 			if err != nil {
 				return err
 			}
 			defer ident.Close()
-			info, err := bpf.InspectIdentifier(pinRoot, id)
+			mode, err := ident.Mode()
 			if err != nil {
 				return err
 			}
-			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, info.Mode)); err != nil {
+			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, mode)); err != nil {
 				return err
 			}
 			n++
