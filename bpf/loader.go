@@ -845,7 +845,10 @@ func RemoveNode(pinRoot string) error {
 			return fmt.Errorf("remove node pins: %w", err)
 		}
 	}
-	for _, p := range []string{r.PolicyError(), r.Identifiers(), pinRoot} {
+	// A policy error record's temporary name too, left by a writer
+	// killed halfway (under this build's name or the one before).
+	for _, p := range []string{r.PolicyError(), filepath.Join(pinRoot, pinpath.PolicyErrorTemp),
+		filepath.Join(pinRoot, pinpath.PolicyErrorTempV2), r.Identifiers(), pinRoot} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove node pins: %w", err)
 		}

@@ -41,6 +41,11 @@ const (
 	// PolicyError is a symlink whose target records why the policy
 	// directory was last refused, and since when; absent while it is valid.
 	PolicyError = "policy-error"
+	// PolicyErrorTemp is the name the record is written under before the
+	// rename that makes it visible; PolicyErrorTempV2 the one builds
+	// before it used, which a writer killed halfway may have left.
+	PolicyErrorTemp   = PolicyError + "~new"
+	PolicyErrorTempV2 = PolicyError + "-new"
 
 	ProgIngress = "prog_ingress"
 	ProgEgress  = "prog_egress"

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -174,8 +175,9 @@ func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 	}
 	// bpffs holds no regular files; a symlink renamed over the old one
 	// replaces it atomically.
-	tmp := path + "-new"
+	tmp := filepath.Join(pinRoot, pinpath.PolicyErrorTemp)
 	_ = os.Remove(tmp)
+	_ = os.Remove(filepath.Join(pinRoot, pinpath.PolicyErrorTempV2))
 	if err := os.Symlink(v.Encode(), tmp); err != nil {
 		return fmt.Errorf("record the policy error: %w", err)
 	}

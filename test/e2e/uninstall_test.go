@@ -89,6 +89,12 @@ func TestUninstall(t *testing.T) {
 				}
 				return string(out)
 			}
+			// What a sweeper killed while it recorded a policy error
+			// leaves (under the name earlier builds used):
+			// the root must go all the same.
+			if err := os.Symlink("error=x", filepath.Join(c.pinRoot, pinpath.PolicyErrorTempV2)); err != nil {
+				t.Fatal(err)
+			}
 			out := uninstall()
 			if !strings.Contains(out, "took 4 pods' hooks off their veths, removed 3 identifiers") {
 				t.Errorf("uninstall said:\n%s", out)
