@@ -15,6 +15,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/ipproto"
 	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
@@ -237,7 +238,7 @@ func viewEntry(e *bpf.CTEntry, now time.Duration, own map[uint32]string) entryVi
 	}
 	return entryView{
 		Family:     int(e.Key.Family),
-		Proto:      liveness.ProtoName(e.Key.Proto),
+		Proto:      ipproto.Name(e.Key.Proto),
 		Pod:        e.Key.SrcAddrPort().String(),
 		Peer:       e.Key.DstAddrPort().String(),
 		Ifindex:    e.Ifindex,

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/ipproto"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -219,7 +220,7 @@ func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
 		m, ok = r.byIfindex[e.Ifindex]
 	}
 	te := traceEvent{Time: at, Ifindex: e.Ifindex, Direction: "ingress", Reason: e.Reason.String(),
-		Protocol: protocolName(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}, Near: []policy.RuleRef{}}
+		Protocol: ipproto.Name(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}, Near: []policy.RuleRef{}}
 	dir, remote := policy.Ingress, e.Src.Addr()
 	if e.Egress {
 		te.Direction, dir, remote = "egress", policy.Egress, e.Dst.Addr()
@@ -232,16 +233,6 @@ func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
 		}
 	}
 	return te
-}
-
-func protocolName(p uint8) string {
-	switch p {
-	case 1:
-		return "ICMP"
-	case 58:
-		return "ICMPv6"
-	}
-	return policy.Protocol(p).String()
 }
 
 // writeJSONLine writes v as one line: a stream of events reads as JSON

@@ -19,6 +19,8 @@ import (
 	"fmt"
 	"net/netip"
 	"time"
+
+	"github.com/podfence/podfence/pkg/ipproto"
 )
 
 // Key is what the rule compares: one direction of a connection. Addresses
@@ -36,7 +38,7 @@ type Key struct {
 
 // String is the key as "proto src:port -> dst:port".
 func (k Key) String() string {
-	return fmt.Sprintf("%s %s -> %s", ProtoName(k.Proto), k.SrcAddrPort(), k.DstAddrPort())
+	return fmt.Sprintf("%s %s -> %s", ipproto.Name(k.Proto), k.SrcAddrPort(), k.DstAddrPort())
 }
 
 func (k Key) addr(b [16]byte) netip.Addr {
@@ -51,23 +53,6 @@ func (k Key) SrcAddrPort() netip.AddrPort { return netip.AddrPortFrom(k.addr(k.S
 
 // DstAddrPort is the peer's side.
 func (k Key) DstAddrPort() netip.AddrPort { return netip.AddrPortFrom(k.addr(k.Dst), k.DstPort) }
-
-// ProtoName names the protocols the datapath tracks by port.
-func ProtoName(p uint8) string {
-	switch p {
-	case 1:
-		return "icmp"
-	case 6:
-		return "tcp"
-	case 17:
-		return "udp"
-	case 58:
-		return "icmpv6"
-	case 132:
-		return "sctp"
-	}
-	return fmt.Sprintf("proto-%d", p)
-}
 
 // Reason says why an entry is kept or deleted.
 type Reason uint8

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"sigs.k8s.io/yaml"
+
+	"github.com/podfence/podfence/pkg/ipproto"
 )
 
 const (
@@ -38,17 +40,10 @@ const (
 )
 
 func (p Protocol) String() string {
-	switch p {
-	case ProtocolAny:
+	if p == ProtocolAny {
 		return "any"
-	case ProtocolTCP:
-		return "TCP"
-	case ProtocolUDP:
-		return "UDP"
-	case ProtocolSCTP:
-		return "SCTP"
 	}
-	return "proto" + strconv.Itoa(int(p))
+	return ipproto.Name(uint8(p))
 }
 
 // PortRange allows ports First..Last (inclusive) of Protocol. A protocol-only
