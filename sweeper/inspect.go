@@ -21,6 +21,7 @@ import (
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/sweep"
 )
 
@@ -441,7 +442,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return err
 	}
-	a, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir)
+	a, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir, policy.Digest{})
 	if err != nil {
 		return err
 	}

@@ -171,6 +171,9 @@ type runner struct {
 	// again only when they change.
 	problems []string
 	keepErr  error
+	// applied is the digest of the policy directory the last apply
+	// programmed into every identifier without an error (zero: none).
+	applied policy.Digest
 	// programmed is, by document, the controller's change time last seen
 	// programmed: each change is observed once.
 	programmed map[string]time.Time
@@ -267,7 +270,7 @@ func (r *runner) loop(ctx context.Context) error {
 	r.applyPolicies("start")
 
 	// The mirror writes into the directory pw follows, and also says when
-	// its first sync is complete (the marker it removes is hidden from pw).
+	// it wrote and when its first sync is complete.
 	var mirrored <-chan struct{}
 	if r.mirror != nil {
 		mirrored = r.mirror.Changed()
@@ -293,6 +296,9 @@ func (r *runner) loop(ctx context.Context) error {
 			r.syncNodeAddrs()
 			continue
 		case <-pw.C:
+			// Also what the mirror's own writes look like: applied once,
+			// by whichever of the two comes first (applyPolicies skips a
+			// directory it has programmed).
 			r.applyPolicies("policy files changed")
 			continue
 		case <-mirrored:
@@ -357,7 +363,20 @@ func (r *runner) logPass(rep sweep.Report) {
 // counted.
 func (r *runner) applyPolicies(why string) {
 	start := time.Now()
-	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	// A change of the directory reaches here once or twice (the mirror's
+	// signal, then inotify's): what was programmed is not programmed
+	// again. At start and when watched again, it is, whatever it holds.
+	var unless policy.Digest
+	if why == "policy files changed" || why == "PolicyEndpoints changed" {
+		unless = r.applied
+	}
+	r.applied = policy.Digest{}
+	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir, unless)
+	if a.Unchanged {
+		r.applied = a.Digest
+		r.log.Debug("policy directory unchanged: not programmed again", "why", why)
+		return
+	}
 	n := a.Identifiers
 	if errors.Is(err, policy.ErrUnsynced) {
 		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why)
@@ -389,6 +408,7 @@ func (r *runner) applyPolicies(why string) {
 		r.log.Error("program identifiers with the policy", "why", why, "identifiers_programmed", n, "error", err)
 		return
 	}
+	r.applied = a.Digest
 	r.log.Info("policy programmed", "why", why, "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
 }
 
@@ -408,7 +428,7 @@ func (r *runner) syncNodeAddrs() {
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
 	}
-	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir)
+	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir, policy.Digest{})
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)
 	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)

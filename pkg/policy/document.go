@@ -2,6 +2,8 @@ package policy
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -223,6 +225,33 @@ type File struct {
 	Name string
 	Data []byte
 	Docs []Document
+	// LastGood is the last good copy its broken documents were replaced
+	// from, if any.
+	LastGood []byte
+}
+
+// Digest identifies what a Dir holds: two reads with the same digest give
+// the same documents.
+type Digest [sha256.Size]byte
+
+// Digest is the digest of every file's name and content, and of the last
+// good copies its broken documents fell back to.
+func (d *Dir) Digest() Digest {
+	h := sha256.New()
+	var n [8]byte
+	field := func(b []byte) {
+		binary.LittleEndian.PutUint64(n[:], uint64(len(b)))
+		h.Write(n[:])
+		h.Write(b)
+	}
+	for _, f := range d.Files {
+		field([]byte(f.Name))
+		field(f.Data)
+		field(f.LastGood)
+	}
+	var out Digest
+	h.Sum(out[:0])
+	return out
 }
 
 // lastGoodDir keeps, below the policy directory, a copy of each document
@@ -263,11 +292,11 @@ func ReadDir(dir string) (*Dir, error) {
 		if err != nil {
 			return nil, fmt.Errorf("read policy file: %w", err)
 		}
-		docs := parseData(data, path)
-		if Strict(docs) != nil {
-			docs = withLastGood(docs, filepath.Join(dir, lastGoodDir, name))
+		f := File{Name: name, Data: data, Docs: parseData(data, path)}
+		if Strict(f.Docs) != nil {
+			f.Docs, f.LastGood = withLastGood(f.Docs, filepath.Join(dir, lastGoodDir, name))
 		}
-		d.Files = append(d.Files, File{Name: name, Data: data, Docs: docs})
+		d.Files = append(d.Files, f)
 	}
 	return d, nil
 }
@@ -282,11 +311,12 @@ func (d *Dir) Documents() []Document {
 }
 
 // withLastGood puts in place of each broken document of docs its version
-// in the last good copy of its file (path), where it has one.
-func withLastGood(docs []Document, path string) []Document {
+// in the last good copy of its file (path), where it has one, and returns
+// the copy it read.
+func withLastGood(docs []Document, path string) ([]Document, []byte) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return docs // none recorded (or unreadable): the salvage stands
+		return docs, nil // none recorded (or unreadable): the salvage stands
 	}
 	good := parseData(data, path)
 	out := make([]Document, len(docs))
@@ -308,7 +338,7 @@ func withLastGood(docs []Document, path string) []Document {
 			break
 		}
 	}
-	return out
+	return out, data
 }
 
 // index is the document index of a Source ("path#3").

@@ -178,3 +178,57 @@ func TestLastGood(t *testing.T) {
 		t.Errorf("the last good copy of a broken file: %v", err)
 	}
 }
+
+// TestDigest: reads of the same files give the same digest; a changed
+// file, a new one, or another last good copy behind a broken document
+// give another.
+func TestDigest(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) {
+		t.Helper()
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pe := func(cidr string) string {
+		return header + "metadata: {name: web, namespace: default}\nspec:\n  podIsolation: [Ingress]\n" +
+			"  podSelectorEndpoints: [{name: web-0, namespace: default}]\n  ingress: [{cidr: '" + cidr + "'}]\n"
+	}
+	digest := func(keep bool) Digest {
+		t.Helper()
+		d, err := ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if keep {
+			if err := d.KeepLastGood(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d.Digest()
+	}
+	empty := digest(false)
+	write("a.yaml", pe("10.1.0.0/16"))
+	a := digest(true)
+	if a == empty || digest(false) != a {
+		t.Fatal("a file's digest: not stable, or the same as an empty directory's")
+	}
+	write("a.yaml", pe("10.2.0.0/16"))
+	b := digest(true)
+	if b == a {
+		t.Error("a changed file kept its digest")
+	}
+	write("a.yaml", pe("10.2.0.0/33")) // broken: 10.2.0.0/16 stands
+	broken := digest(false)
+	write("a.yaml", pe("10.3.0.0/16"))
+	digest(true)
+	write("a.yaml", pe("10.2.0.0/33")) // the same bytes, now 10.3.0.0/16 stands
+	if digest(false) == broken {
+		t.Error("a broken file falling back to another last good copy kept its digest")
+	}
+	before := digest(false)
+	write("b.yaml", "")
+	if digest(false) == before {
+		t.Error("a new file did not change the digest")
+	}
+}

@@ -35,6 +35,10 @@ type Applied struct {
 	// Changed is, by document (namespace/name), when the controller last
 	// changed it, for the documents that say (policy.ChangeTimeAnnotation).
 	Changed map[string]time.Time
+	// Digest is the directory's, as read; Unchanged says it was the one
+	// the caller named, and nothing was programmed.
+	Digest    policy.Digest
+	Unchanged bool
 }
 
 // ReapplyPolicies programs every identifier that has members with what
@@ -47,7 +51,11 @@ type Applied struct {
 // the load found is recorded in the pin root for ls (ReadPolicyStatus). A
 // directory whose mirror has not synced yet (policy.ErrUnsynced) changes
 // nothing either: the identifiers keep enforcing what they have.
-func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) {
+//
+// A directory whose digest is unless (the one the caller last programmed)
+// is not programmed again: every identifier has it already, and an ADD
+// programs its own. The zero digest programs whatever the directory holds.
+func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Digest) (Applied, error) {
 	var a Applied
 	switch synced, err := policy.Synced(policyDir); {
 	case err != nil:
@@ -59,6 +67,10 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string) (Applied, error) 
 	if err != nil {
 		err = fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
 		return a, errors.Join(err, recordPolicyStatus(pinRoot, err, nil))
+	}
+	if a.Digest = dir.Digest(); a.Digest == unless {
+		a.Unchanged = true
+		return a, nil
 	}
 	a.KeepErr = dir.KeepLastGood()
 	docs := dir.Documents()

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -178,10 +179,18 @@ func TestKubernetesPolicyLive(t *testing.T) {
 	}
 
 	// Update: the intruder in, the client out, its connection cut.
+	programmed := func() int { return strings.Count(logs.String(), `"msg":"policy programmed"`) }
+	before := programmed()
 	changed := time.Now()
 	c.update(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, intruder))
 	took := waitConnects(t, intruder, web, backendPort, true, changed, time.Second)
 	t.Logf("update enforced %v after the API call", took)
+	// The mirror's write reaches the sweeper twice, by its signal and by
+	// inotify (past its quiet time): it is programmed once.
+	time.Sleep(300 * time.Millisecond)
+	if n := programmed() - before; n != 1 {
+		t.Errorf("one PolicyEndpoint update programmed %d times", n)
+	}
 	if err := conn.roundTrip("after revocation"); err == nil {
 		t.Fatal("the connection the update revoked still carries data")
 	}
