@@ -334,6 +334,36 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 	return ident, err
 }
 
+// OpenExistingIdentifier opens the pinned maps and programs of id without
+// creating, loading or writing anything: for a caller that runs or reads
+// what the node has (why, adoption's seeding of a pod the plugin just
+// added). Missing pins, and pins this build would have to take over, are
+// errors. The caller holds the identifier's lock.
+func OpenExistingIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error) {
+	if !podid.Valid(string(id)) {
+		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
+	}
+	dir := pinpath.Root(pinRoot).Identifier(id)
+	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, openMode{existing: true, errRenew: errIdentifierRenewal})
+	if err != nil {
+		return nil, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	ident := &Identifier{ID: id, Dir: dir, global: g}
+	fields := ident.mapFields()
+	for name, m := range s.maps {
+		*fields[name] = m
+	}
+	reused, err := ident.openPinnedPrograms(g)
+	if err == nil && !reused {
+		err = fmt.Errorf("programs: %w", errNotPinned)
+	}
+	if err != nil {
+		ident.Close()
+		return nil, fmt.Errorf("identifier %q: %w", id, err)
+	}
+	return ident, nil
+}
+
 // Renewal is what RenewIdentifier changed.
 type Renewal struct {
 	// From is the layout of the pins found (this build's for a new identifier).

@@ -492,3 +492,65 @@ func TestRenewLayout1(t *testing.T) {
 		t.Errorf("sources map not pinned: %v", err)
 	}
 }
+
+// TestOpenExistingIdentifier: the inspect-only open creates nothing where
+// nothing is pinned, nor loads programs where only the maps are (a first
+// ADD killed before its programs were pinned), and opens what an ADD left
+// as it is.
+func TestOpenExistingIdentifier(t *testing.T) {
+	root, g := openGlobal(t)
+	id := podid.ID("web-7f65cc6544@default")
+	dir := pinpath.Root(root).Identifier(id)
+	if _, err := OpenExistingIdentifier(g, root, id); !errors.Is(err, errNotPinned) {
+		t.Fatalf("open an identifier nothing pinned: %v, want errNotPinned", err)
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the open made %s (%v)", dir, err)
+	}
+
+	added, err := OpenIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer added.Close()
+	progID := func(p *ebpf.Program) ebpf.ProgramID {
+		t.Helper()
+		info, err := p.Info()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id, _ := info.ID()
+		return id
+	}
+	names := func() []string {
+		t.Helper()
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, e := range entries {
+			out = append(out, e.Name())
+		}
+		return out
+	}
+	pins := names()
+	got, err := OpenExistingIdentifier(g, root, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if progID(got.Ingress) != progID(added.Ingress) || progID(got.Egress) != progID(added.Egress) {
+		t.Error("the open did not return the pinned programs")
+	}
+	got.Close()
+
+	if err := os.Remove(filepath.Join(dir, pinpath.ProgEgress)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenExistingIdentifier(g, root, id); !errors.Is(err, errNotPinned) {
+		t.Errorf("open with a program pin missing: %v, want errNotPinned", err)
+	}
+	if after := names(); len(after) != len(pins)-1 {
+		t.Errorf("pins %v after the open, want %v without %s", after, pins, pinpath.ProgEgress)
+	}
+}

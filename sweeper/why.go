@@ -83,7 +83,8 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer lock.Unlock()
-	ident, err := bpf.OpenIdentifier(g, c.pinRoot, q.id)
+	// why changes nothing on the node: it runs what is pinned.
+	ident, err := bpf.OpenExistingIdentifier(g, c.pinRoot, q.id)
 	if err != nil {
 		return err
 	}

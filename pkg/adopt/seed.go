@@ -61,7 +61,7 @@ func seed(g *bpf.Global, pinRoot string, store *membership.Store, sb Sandbox, fl
 	if err != nil {
 		return s, err
 	}
-	ident, err := bpf.OpenIdentifier(g, pinRoot, id)
+	ident, err := bpf.OpenExistingIdentifier(g, pinRoot, id)
 	if err != nil {
 		return s, err
 	}
