@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -212,7 +213,7 @@ func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
 var errKeptLayout = fmt.Errorf("%w: the pin is an earlier layout's; `podfence-sweeper upgrade` (or run, or the plugin's next ADD) moves the node to this build", ErrIncompatiblePin)
 
 func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
-	lock, err := lockDir(dir, how)
+	lock, err := pinfs.LockDir(dir, how)
 	if err != nil {
 		return nil, err
 	}
@@ -667,13 +668,7 @@ func loadProgram(cs *ebpf.CollectionSpec, name string, repl map[string]*ebpf.Map
 // stale one left by a killed plugin, an earlier build's) is replaced
 // through a rename, so that the path never goes missing.
 func pinReplacing(p interface{ Pin(string) error }, path string) error {
-	tmp := path + "~new"
-	_ = os.Remove(tmp)
-	if err := p.Pin(tmp); err != nil {
-		return fmt.Errorf("pin %s: %w", path, err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = os.Remove(tmp)
+	if err := pinfs.ReplacePin(path, p); err != nil {
 		return fmt.Errorf("pin %s: %w", path, err)
 	}
 	return nil
@@ -709,7 +704,7 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 	for _, pin := range pins {
 		// A kill between pinning and renaming (pinReplacing, writeMarker)
 		// leaves the temporary, which holds its object alive too.
-		for _, name := range []string{pin, pin + "~new"} {
+		for _, name := range []string{pin, pinfs.TempName(pin)} {
 			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 				return fmt.Errorf("remove objects of %q: %w", id, err)
 			}

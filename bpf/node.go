@@ -4,10 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/pkg/pinfs"
 )
 
 // NodeAddresses returns the node's own addresses as SetNodeAddrs recorded them.
@@ -29,14 +30,11 @@ func (g *Global) NodeAddresses() ([]netip.Addr, error) {
 // process that read them earlier cannot overwrite a later reading with its
 // own. Identifiers pick the change up at their next ApplyPolicy.
 func (g *Global) SyncNodeAddrs(current func() ([]netip.Addr, error)) error {
-	f, err := os.Open(g.dir)
+	f, err := pinfs.LockDir(g.dir, unix.LOCK_EX)
 	if err != nil {
 		return fmt.Errorf("lock global pins: %w", err)
 	}
 	defer f.Close() // and with it the lock
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
-		return fmt.Errorf("lock global pins: %w", err)
-	}
 	addrs, err := current()
 	if err != nil {
 		return err

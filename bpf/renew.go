@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
 // A build of podfence takes over the pins of an earlier one while pods
@@ -32,20 +31,6 @@ import (
 
 // errRenewalNeeded says that the global pins need an exclusive turn.
 var errRenewalNeeded = errors.New("global pins need renewal")
-
-// lockDir takes a flock (unix.LOCK_SH or LOCK_EX) on dir; closing the file
-// releases it.
-func lockDir(dir string, how int) (*os.File, error) {
-	f, err := os.Open(dir)
-	if err != nil {
-		return nil, fmt.Errorf("lock %s: %w", dir, err)
-	}
-	if err := unix.Flock(int(f.Fd()), how); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("lock %s: %w", dir, err)
-	}
-	return f, nil
-}
 
 // loadPins loads the maps of names pinned in dir; a missing pin is nil.
 func loadPins(dir string, names []string) (map[string]*ebpf.Map, error) {

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
 )
 
@@ -102,13 +103,7 @@ func readMarker(dir string) (m marker, ok bool, err error) {
 // identifier's, or the global directory's), so one temporary name does, and
 // one left by a killed writer is replaced.
 func writeMarker(dir string, m marker) error {
-	tmp := filepath.Join(dir, pinpath.Layout+"~new")
-	_ = os.Remove(tmp)
-	if err := os.Symlink(m.String(), tmp); err != nil {
-		return fmt.Errorf("write layout marker in %s: %w", dir, err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, pinpath.Layout)); err != nil {
-		_ = os.Remove(tmp)
+	if err := pinfs.WriteRecord(filepath.Join(dir, pinpath.Layout), m.String()); err != nil {
 		return fmt.Errorf("write layout marker in %s: %w", dir, err)
 	}
 	return nil

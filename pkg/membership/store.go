@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -97,7 +98,7 @@ func (s *Store) lock(id podid.ID, create bool) (*Lock, error) {
 		if err != nil {
 			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
 		}
-		if err := flock(f); err != nil {
+		if err := pinfs.Flock(f, unix.LOCK_EX); err != nil {
 			f.Close()
 			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
 		}
@@ -110,15 +111,6 @@ func (s *Store) lock(id podid.ID, create bool) (*Lock, error) {
 			return &Lock{ID: id, dir: dir, f: f}, nil
 		}
 		f.Close() // the directory was removed (and maybe recreated) meanwhile
-	}
-}
-
-func flock(f *os.File) error {
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			return err
-		}
 	}
 }
 
@@ -249,13 +241,7 @@ func (l *Lock) Put(m Member) error {
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, pinpath.RecordTemp)
-	_ = os.Remove(tmp)
-	if err := os.Symlink(string(text), tmp); err != nil {
-		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, pinpath.Record)); err != nil {
-		_ = os.Remove(tmp)
+	if err := pinfs.WriteRecord(filepath.Join(dir, pinpath.Record), string(text)); err != nil {
 		return fmt.Errorf("record member %s of %q: %w", m.Key(), l.ID, err)
 	}
 	return nil

@@ -18,6 +18,7 @@ package pinpath
 import (
 	"path/filepath"
 
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -44,7 +45,7 @@ const (
 	// PolicyErrorTemp is the name the record is written under before the
 	// rename that makes it visible; PolicyErrorTempV2 the one builds
 	// before it used, which a writer killed halfway may have left.
-	PolicyErrorTemp   = PolicyError + "~new"
+	PolicyErrorTemp   = PolicyError + pinfs.TempSuffix
 	PolicyErrorTempV2 = PolicyError + "-new"
 
 	ProgIngress = "prog_ingress"
@@ -53,7 +54,7 @@ const (
 	// Record is a member's record; RecordTemp the name it is written under
 	// before the rename that makes it visible.
 	Record     = "record"
-	RecordTemp = Record + "~new"
+	RecordTemp = Record + pinfs.TempSuffix
 
 	// LinkIngress and LinkEgress are a member's TCX links on the host
 	// veth's ingress and egress hooks.

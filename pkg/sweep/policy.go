@@ -12,6 +12,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -187,14 +188,8 @@ func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 	}
 	// bpffs holds no regular files; a symlink renamed over the old one
 	// replaces it atomically.
-	tmp := filepath.Join(pinRoot, pinpath.PolicyErrorTemp)
-	_ = os.Remove(tmp)
 	_ = os.Remove(filepath.Join(pinRoot, pinpath.PolicyErrorTempV2))
-	if err := os.Symlink(v.Encode(), tmp); err != nil {
-		return fmt.Errorf("record the policy error: %w", err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
+	if err := pinfs.WriteRecord(path, v.Encode()); err != nil {
 		return fmt.Errorf("record the policy error: %w", err)
 	}
 	return nil
@@ -203,12 +198,12 @@ func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 // ReadPolicyStatus reads the record ReapplyPolicies left; false when
 // the policy directory loaded with nothing to report.
 func ReadPolicyStatus(pinRoot string) (PolicyStatus, bool, error) {
-	target, err := os.Readlink(pinpath.Root(pinRoot).PolicyError())
-	if errors.Is(err, os.ErrNotExist) {
-		return PolicyStatus{}, false, nil
-	}
+	target, ok, err := pinfs.ReadRecord(pinpath.Root(pinRoot).PolicyError())
 	if err != nil {
 		return PolicyStatus{}, false, fmt.Errorf("read the policy error record: %w", err)
+	}
+	if !ok {
+		return PolicyStatus{}, false, nil
 	}
 	v, err := url.ParseQuery(target)
 	if err != nil {
