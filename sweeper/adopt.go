@@ -2,8 +2,14 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -22,6 +28,7 @@ type adopter struct {
 
 	adopted  prometheus.Counter
 	failures prometheus.Counter
+	openFor  prometheus.Histogram
 }
 
 func newAdopter(opts adopt.Options, interval time.Duration, log *slog.Logger, reg prometheus.Registerer) *adopter {
@@ -32,8 +39,14 @@ func newAdopter(opts adopt.Options, interval time.Duration, log *slog.Logger, re
 		failures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "podfence_adoption_failures_total",
 			Help: "Pods that adoption could not fence (each is tried again at the next pass)."}),
+		openFor: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "podfence_adoption_unfenced_seconds",
+			Help: "How long each adopted pod ran unfenced: from its sandbox's creation to its adoption. Pods that predate podfence count their age.",
+			// From a pass right after a repair of the chain (seconds) to
+			// pods that predate the install (days).
+			Buckets: prometheus.ExponentialBuckets(0.5, 4, 10)}),
 	}
-	reg.MustRegister(a.adopted, a.failures)
+	reg.MustRegister(a.adopted, a.failures, a.openFor)
 	return a
 }
 
@@ -84,7 +97,11 @@ func (a *adopter) pass(ctx context.Context, why string) {
 		return
 	}
 	for _, p := range r.Adopted {
-		a.log.Info("adopted a running pod podfence's ADD never saw", "pod", p, "why", why)
+		a.log.Info("adopted a running pod podfence's ADD never saw", "pod", p.Pod, "sandbox", p.Sandbox,
+			"unfenced_for", p.OpenFor.Round(time.Millisecond).String(), "why", why)
+		if p.OpenFor > 0 {
+			a.openFor.Observe(p.OpenFor.Seconds())
+		}
 	}
 	for _, e := range r.Failed {
 		a.log.Warn("adoption failed; tried again at the next pass", "error", e)
@@ -96,4 +113,81 @@ func (a *adopter) pass(ctx context.Context, why string) {
 			"adopted", len(r.Adopted), "failed", len(r.Failed), "flows_seeded_allowed", r.Seeded.Allowed,
 			"flows_seeded_denied", r.Seeded.Denied, "duration_ms", time.Since(start).Milliseconds())
 	}
+}
+
+// cmdAdopt runs one adoption pass, the one run --adopt makes at its start,
+// and prints what it did: for an operator who runs the sweeper without
+// --adopt, or wants the node's pods fenced now.
+func cmdAdopt(args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlags("adopt", stderr, &c, false)
+	var cf cniFlags
+	cf.register(fs)
+	criSocket := fs.String("cri-socket", adopt.DefaultCRISocket, "the container runtime's CRI endpoint")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	cri, err := adopt.DialCRI(*criSocket)
+	if err != nil {
+		return usageError{fmt.Errorf("--cri-socket: %w", err)}
+	}
+	defer cri.Close()
+	// Made if missing, as run makes them: the first adopted pod's flows
+	// are seeded into them.
+	g, err := openGlobal(&c, serve)
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	start := time.Now()
+	r, err := adopt.Pass(ctx, adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Global: g})
+	if err != nil {
+		return err
+	}
+	v := adoptView{Sandboxes: r.Sandboxes, Fenced: r.Fenced, Adopted: []adoptedView{}, Failed: []string{},
+		SeededAllowed: r.Seeded.Allowed, SeededDenied: r.Seeded.Denied, DurationMS: time.Since(start).Milliseconds()}
+	for _, a := range r.Adopted {
+		v.Adopted = append(v.Adopted, adoptedView{Pod: a.Pod, Sandbox: a.Sandbox, UnfencedSeconds: a.OpenFor.Seconds()})
+	}
+	for _, e := range r.Failed {
+		v.Failed = append(v.Failed, e.Error())
+	}
+	if c.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(v); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintf(stdout, "%d ready sandboxes: %d fenced already, %d adopted, %d failed (%d ms); flows seeded: %d allowed, %d denied\n",
+			v.Sandboxes, v.Fenced, len(v.Adopted), len(v.Failed), v.DurationMS, v.SeededAllowed, v.SeededDenied)
+		for _, a := range v.Adopted {
+			fmt.Fprintf(stdout, "adopted %s (sandbox %.12s), unfenced for %.1f s\n", a.Pod, a.Sandbox, a.UnfencedSeconds)
+		}
+		for _, e := range v.Failed {
+			fmt.Fprintf(stdout, "failed: %s\n", e)
+		}
+	}
+	if len(r.Failed) > 0 {
+		return fmt.Errorf("%d sandboxes not adopted", len(r.Failed))
+	}
+	return nil
+}
+
+type adoptView struct {
+	Sandboxes     int           `json:"sandboxes"`
+	Fenced        int           `json:"fenced_already"`
+	Adopted       []adoptedView `json:"adopted"`
+	Failed        []string      `json:"failed"`
+	SeededAllowed int           `json:"flows_seeded_allowed"`
+	SeededDenied  int           `json:"flows_seeded_denied"`
+	DurationMS    int64         `json:"duration_ms"`
+}
+
+type adoptedView struct {
+	Pod             string  `json:"pod"`
+	Sandbox         string  `json:"sandbox"`
+	UnfencedSeconds float64 `json:"unfenced_seconds"`
 }

@@ -37,6 +37,7 @@ commands:
   apply            program every identifier with the policy directory, once
   install-cni      install the podfence plugin and chain it last in the node's conflist
   uninstall-cni    take podfence out of the conflist and remove its binary
+  adopt            fence the running pods podfence's ADD never saw, once (run --adopt does it continuously)
   uninstall        take podfence off the node: out of the chain, its hooks off every veth, its pins
   aws-agent        what the AWS network-policy agent left on the node (--remove takes it off)
   ls               identifiers, their members and host veths, programs, counters
@@ -77,6 +78,8 @@ func runMain(args []string, stdout, stderr io.Writer) int {
 		err = cmdUpgrade(rest, stdout, stderr)
 	case "install-cni":
 		err = cmdInstallCNI(rest, stdout, stderr)
+	case "adopt":
+		err = cmdAdopt(rest, stdout, stderr)
 	case "aws-agent":
 		err = cmdAWSAgent(rest, stdout, stderr)
 	case "uninstall":
@@ -250,7 +253,7 @@ var booleanFlags = map[string]bool{"json": true, "h": true, "help": true, "keep-
 
 // commands are the first words runMain knows.
 var commands = map[string]bool{"run": true, "sweep": true, "ls": true, "apply": true, "trace": true, "why": true,
-	"upgrade": true, "install-cni": true, "uninstall-cni": true, "uninstall": true, "aws-agent": true, "dump": true}
+	"upgrade": true, "install-cni": true, "uninstall-cni": true, "uninstall": true, "aws-agent": true, "adopt": true, "dump": true}
 
 func (c *common) globalOptions() (bpf.GlobalOptions, error) {
 	for flag, n := range map[string]uint{"--ct-v4-entries": c.ctV4, "--ct-v6-entries": c.ctV6} {

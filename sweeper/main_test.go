@@ -64,6 +64,8 @@ func TestFlagsMeanWhatTheySay(t *testing.T) {
 		{"sweep --grace 0s --pin-root " + missing, 1, "warning: --grace 0"},
 		{"sweep --grace -1s --pin-root " + missing, 2, "--grace -1s"},
 		{"--nonsense ls", 2, "flag provided but not defined: -nonsense"},
+		{"adopt --cri-socket tcp://127.0.0.1:1 --pin-root " + missing, 2, "--cri-socket: CRI endpoint \"tcp://127.0.0.1:1\": want unix:///path"},
+		{"adopt extra", 2, "unexpected arguments"},
 	} {
 		var stdout, stderr bytes.Buffer
 		code := runMain(strings.Fields(c.args), &stdout, &stderr)

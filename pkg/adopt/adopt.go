@@ -66,11 +66,21 @@ type Options struct {
 
 // Report is what one pass found and did.
 type Report struct {
-	Sandboxes int      // ready, with a network namespace of their own
-	Fenced    int      // already members
-	Adopted   []string // namespace/name of the pods adopted now
-	Seeded    Seeded   // their live flows, judged as they were opened
-	Failed    []error  // one per sandbox that could not be adopted
+	Sandboxes int       // ready, with a network namespace of their own
+	Fenced    int       // already members
+	Adopted   []Adopted // the pods adopted now
+	Seeded    Seeded    // their live flows, judged as they were opened
+	Failed    []error   // one per sandbox that could not be adopted
+}
+
+// Adopted is a pod a pass fenced.
+type Adopted struct {
+	Pod     string // namespace/name
+	Sandbox string
+	// OpenFor is how long the pod ran unfenced: from its sandbox's
+	// creation (which its own ADD follows by milliseconds) to the end of
+	// its adoption. Zero when the runtime does not say when it was made.
+	OpenFor time.Duration
 }
 
 // Pass adopts every ready sandbox that is not a member yet.
@@ -114,7 +124,11 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 			r.Failed = append(r.Failed, fmt.Errorf("adopt %s/%s (sandbox %s): %w", sb.Namespace, sb.Name, sb.ID, err))
 			continue
 		}
-		r.Adopted = append(r.Adopted, sb.Namespace+"/"+sb.Name)
+		a := Adopted{Pod: sb.Namespace + "/" + sb.Name, Sandbox: sb.ID}
+		if !sb.Created.IsZero() {
+			a.OpenFor = time.Since(sb.Created)
+		}
+		r.Adopted = append(r.Adopted, a)
 		adopted = append(adopted, sb)
 	}
 	if o.Global == nil || len(adopted) == 0 {

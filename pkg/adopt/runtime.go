@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -26,6 +27,7 @@ type Sandbox struct {
 	UID       string
 	Netns     string // path of its network namespace: CNI_NETNS
 	IPs       []netip.Addr
+	Created   time.Time // zero if the runtime does not say
 }
 
 // Runtime is what adoption asks the container runtime.
@@ -97,6 +99,9 @@ func (c *CRI) status(ctx context.Context, id string) (Sandbox, bool, error) {
 		return Sandbox{}, false, nil
 	}
 	sb := Sandbox{ID: id, Name: s.GetMetadata().GetName(), Namespace: s.GetMetadata().GetNamespace(), UID: s.GetMetadata().GetUid()}
+	if ns := s.GetCreatedAt(); ns > 0 {
+		sb.Created = time.Unix(0, ns)
+	}
 	sb.Netns, err = netnsPath(st.GetInfo())
 	if err != nil {
 		return Sandbox{}, false, fmt.Errorf("sandbox %s (%s/%s): %w", id, sb.Namespace, sb.Name, err)
