@@ -82,7 +82,7 @@ func (s *supervisor) controllers() error {
 
 // containerdConfig is Debian's containerd 1.6 for the kubelet: the CRI
 // plugin with runc, the node's pause image, CNI from /etc/cni/net.d and
-// /opt/cni/bin, pods' network namespaces in its state directory.
+// /opt/cni/bin, pods' network namespaces where it puts them by default.
 const containerdConfig = `version = 2
 root = "/var/lib/containerd"
 state = "/run/containerd"
@@ -92,7 +92,9 @@ state = "/run/containerd"
   sandbox_image = %q
   # This VM lacks CAP_SYS_RESOURCE: runc cannot raise oom_score_adj.
   restrict_oom_score_adj = true
-  netns_mounts_under_state_dir = true
+  # Pod network namespaces where containerd puts them by default, as on
+  # an EKS node: /var/run/netns, which adoption reads as /run/netns. The
+  # node's /run is an overlay: the host's /run/netns is not touched.
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/opt/cni/bin"
     conf_dir = "/etc/cni/net.d"

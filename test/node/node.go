@@ -439,6 +439,12 @@ func dialIn(nsPath string, ctx context.Context, network, addr string) (net.Conn,
 	return c, err
 }
 
+// InNetns runs fn in the node's network namespace, on a thread of its own
+// (see inNetns): for a test that asks the kernel about the node's links.
+func (n *Node) InNetns(fn func() error) error {
+	return inNetns("/proc/"+strconv.Itoa(n.PID)+"/ns/net", fn)
+}
+
 // inNetns runs fn in the network namespace at nsPath, on a thread that is
 // thrown away afterwards (it never returns to the root namespace). The
 // sockets fn makes keep that namespace.

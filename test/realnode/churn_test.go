@@ -138,18 +138,7 @@ func TestChurn(t *testing.T) {
 func scale(t testing.TB, cs *kubernetes.Clientset, ns, name string, replicas int32) {
 	t.Helper()
 	ctx := context.Background()
-	// The Deployment controller writes the object too: retry a conflict.
-	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		s, err := cs.AppsV1().Deployments(ns).GetScale(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		s.Spec.Replicas = replicas
-		_, err = cs.AppsV1().Deployments(ns).UpdateScale(ctx, name, s, metav1.UpdateOptions{})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	setReplicas(t, cs, ns, name, replicas)
 	waitFor(t, fmt.Sprintf("%d replicas of %s", replicas, name), 5*time.Minute, func() error {
 		pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=" + name})
 		if err != nil {
@@ -166,6 +155,24 @@ func scale(t testing.TB, cs *kubernetes.Clientset, ns, name string, replicas int
 		}
 		return nil
 	})
+}
+
+// setReplicas sets the Deployment's replicas.
+func setReplicas(t testing.TB, cs *kubernetes.Clientset, ns, name string, replicas int32) {
+	t.Helper()
+	ctx := context.Background()
+	// The Deployment controller writes the object too: retry a conflict.
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		s, err := cs.AppsV1().Deployments(ns).GetScale(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		s.Spec.Replicas = replicas
+		_, err = cs.AppsV1().Deployments(ns).UpdateScale(ctx, name, s, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // durations are, in log order, the total time and the time without the

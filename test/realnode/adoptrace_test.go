@@ -1,0 +1,278 @@
+package realnode
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/test/node"
+)
+
+// raceSweeper builds podfence-sweeper with the race detector, for a test
+// that runs it on the node.
+func raceSweeper(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "podfence-sweeper")
+	cmd := exec.Command("go", "build", "-race", "-o", bin, "../../sweeper")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=1") // the race detector's runtime is C
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build -race: %v: %s", err, out)
+	}
+	return bin
+}
+
+// adoptLoop runs the race-built sweeper's adopt command on the node, one
+// pass after another, until stop is called; stop returns how many pods the
+// passes adopted. A data race the detector reports, or an exit that is
+// neither success nor "some sandboxes not adopted", fails the test.
+type adoptLoop struct {
+	stopc   chan struct{}
+	done    chan struct{}
+	mu      sync.Mutex
+	adopted int
+	passes  int
+	raced   int // adoptions whose sandbox stopped being ready meanwhile
+}
+
+var adoptedLine = regexp.MustCompile(`(?m)^\d+ ready sandboxes: \d+ fenced already, (\d+) adopted`)
+
+func startAdoptLoop(t *testing.T, n *node.Node, bin string) *adoptLoop {
+	l := &adoptLoop{stopc: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		for {
+			select {
+			case <-l.stopc:
+				return
+			default:
+			}
+			var out bytes.Buffer
+			cmd := n.Exec(bin, "adopt")
+			cmd.Stdout, cmd.Stderr = &out, &out
+			err := cmd.Run()
+			var exit *exec.ExitError
+			switch {
+			case bytes.Contains(out.Bytes(), []byte("WARNING: DATA RACE")):
+				t.Errorf("the race detector in an adoption pass:\n%s", out.Bytes())
+			case err != nil && !(errors.As(err, &exit) && exit.ExitCode() == 1 && bytes.Contains(out.Bytes(), []byte("sandboxes not adopted"))):
+				t.Errorf("adopt: %v:\n%s", err, out.Bytes())
+			}
+			l.mu.Lock()
+			l.passes++
+			l.raced += bytes.Count(out.Bytes(), []byte("stopped being ready while it was adopted"))
+			if m := adoptedLine.FindSubmatch(out.Bytes()); m != nil {
+				k, _ := strconv.Atoi(string(m[1]))
+				l.adopted += k
+			}
+			l.mu.Unlock()
+		}
+	}()
+	return l
+}
+
+func (l *adoptLoop) stop() (adopted, passes, raced int) {
+	close(l.stopc)
+	<-l.done
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.adopted, l.passes, l.raced
+}
+
+// memberView is what podfence-sweeper ls --json says of a member.
+type memberView struct {
+	ContainerID string   `json:"container_id"`
+	HostVeth    string   `json:"host_veth"`
+	HostIfindex int      `json:"host_ifindex"`
+	IPs         []string `json:"ips"`
+	VethPresent bool     `json:"veth_present"`
+	Attached    bool     `json:"attached"`
+}
+
+// members lists the members of the identifiers of namespace ns.
+func members(n *node.Node, bin, ns string) ([]memberView, error) {
+	out, err := n.Exec(bin, "ls", "--json").Output()
+	if err != nil {
+		return nil, fmt.Errorf("ls: %w", err)
+	}
+	var ids []struct {
+		ID      string       `json:"identifier"`
+		Members []memberView `json:"members"`
+	}
+	if err := json.Unmarshal(out, &ids); err != nil {
+		return nil, err
+	}
+	var all []memberView
+	for _, id := range ids {
+		if strings.HasSuffix(id.ID, "@"+ns) {
+			all = append(all, id.Members...)
+		}
+	}
+	return all, nil
+}
+
+// hooks counts, on each hook of a host veth of the node, the programs
+// attached (by any mechanism) that are podfence's.
+func hooks(n *node.Node, ifindex int) (map[attach.Hook]int, error) {
+	count := map[attach.Hook]int{}
+	err := n.InNetns(func() error {
+		for _, h := range []attach.Hook{attach.HookIngress, attach.HookEgress} {
+			ids, err := attach.Attached(ifindex, h)
+			if err != nil {
+				return err
+			}
+			for _, id := range ids {
+				p, err := ebpf.NewProgramFromID(id)
+				if err != nil {
+					return err
+				}
+				info, err := p.Info()
+				p.Close()
+				if err != nil {
+					return err
+				}
+				if info.Name == "pod_ingress" || info.Name == "pod_egress" {
+					count[h]++
+				}
+			}
+		}
+		return nil
+	})
+	return count, err
+}
+
+// TestAdoptionRacesRuntime runs adoption (the sweeper's adopt command,
+// built with the race detector, one pass after another) against the
+// kubelet's ADDs and DELs of the same pods: pods created while podfence
+// was out of the chain are deleted while they are being adopted, and
+// their replacements are added while the passes list the node. Afterwards
+// every pod has exactly one member and one set of hooks, and a deleted pod
+// none. The DaemonSet's sweeper is off the node meanwhile, so neither its
+// adoption nor its orphan sweep tidies up after the race.
+func TestAdoptionRacesRuntime(t *testing.T) {
+	n := needNode(t)
+	cs := clientset(t, n)
+	ns := namespace(t, cs, "adoptrace")
+	ctx := context.Background()
+	bin := raceSweeper(t)
+	isolateIngress(t, cs, ns, "race")
+	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("race", 0), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pauseSweeper(t, n)
+	t.Cleanup(func() {
+		if chainedLast(n) != nil {
+			writeConflist(t, n, string(chained))
+		}
+		resumeSweeper(t, n)
+	})
+
+	const pods, rounds = 10, 2
+	var adoptedTotal, passesTotal int
+	for round := range rounds {
+		// Pods podfence's ADD never sees: the primary CNI's template
+		// rewrote the conflist.
+		writeConflist(t, n, node.PrimaryConflist())
+		scale(t, cs, ns, "race", pods)
+		writeConflist(t, n, string(chained))
+
+		// The kubelet's DELs (podfence's own, the chain is whole again)
+		// race the passes adopting these pods, then its ADDs of their
+		// replacements race the passes listing the node.
+		// The passes start once the kubelet has begun deleting.
+		setReplicas(t, cs, ns, "race", 0)
+		waitFor(t, "a pod being deleted", 30*time.Second, func() error {
+			list, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=race"})
+			if err != nil {
+				return err
+			}
+			for _, p := range list.Items {
+				if p.DeletionTimestamp != nil {
+					return nil
+				}
+			}
+			return errors.New("none yet")
+		})
+		loop := startAdoptLoop(t, n, bin)
+		scale(t, cs, ns, "race", 0)
+		scale(t, cs, ns, "race", pods)
+		adopted, passes, raced := loop.stop()
+		t.Logf("round %d: %d passes adopted %d pods; %d adoptions met the pod's DEL and were undone", round, passes, adopted, raced)
+		adoptedTotal += adopted
+		passesTotal += passes
+		if round < rounds-1 {
+			scale(t, cs, ns, "race", 0)
+		}
+	}
+	if adoptedTotal == 0 {
+		t.Fatalf("%d passes adopted no pod: nothing raced", passesTotal)
+	}
+
+	list, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=race"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := map[string]string{} // pod address -> name
+	for _, p := range list.Items {
+		live[p.Status.PodIP] = p.Name
+	}
+	// A DEL the kubelet has in flight when its pod leaves the API
+	// finishes within seconds: only then is "none once deleted" due.
+	var ms []memberView
+	waitFor(t, "a member for each live pod and none for a deleted one", 30*time.Second, func() error {
+		var err error
+		if ms, err = members(n, bin, ns); err != nil {
+			return err
+		}
+		seen := map[string]int{}
+		for _, m := range ms {
+			if !m.VethPresent {
+				return fmt.Errorf("member %.12s (%v) outlived its veth %s", m.ContainerID, m.IPs, m.HostVeth)
+			}
+			for _, ip := range m.IPs {
+				p, err := netip.ParsePrefix(ip) // the record's: 10.244.0.9/24
+				if err != nil {
+					return fmt.Errorf("member %.12s: address %q: %v", m.ContainerID, ip, err)
+				}
+				seen[p.Addr().String()]++
+			}
+		}
+		if len(ms) != len(live) {
+			return fmt.Errorf("%d members for %d pods", len(ms), len(live))
+		}
+		for ip, name := range live {
+			if seen[ip] != 1 {
+				return fmt.Errorf("pod %s (%s) has %d members", name, ip, seen[ip])
+			}
+		}
+		return nil
+	})
+	for _, m := range ms {
+		h, err := hooks(n, m.HostIfindex)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !m.Attached || h[attach.HookIngress] != 1 || h[attach.HookEgress] != 1 {
+			t.Errorf("pod %s (veth %s): attached %v, hooks %v, want one of each", live[m.IPs[0]], m.HostVeth, m.Attached, h)
+		}
+	}
+}
