@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,17 @@ import (
 
 	"github.com/podfence/podfence/test/node"
 )
+
+// sweeperPID is the process ID of the DaemonSet's sweeper on the node.
+func sweeperPID(t testing.TB) string {
+	t.Helper()
+	out, err := exec.Command("pgrep", "-f", "^/usr/local/bin/podfence-sweeper run").Output()
+	pids := strings.Fields(string(out))
+	if err != nil || len(pids) != 1 {
+		t.Fatalf("the sweeper's process: %v %q", err, out)
+	}
+	return pids[0]
+}
 
 // chainedLast says whether the node's conflist has podfence last.
 func chainedLast(n *node.Node) error {
@@ -36,8 +48,9 @@ func chainedLast(n *node.Node) error {
 // primary CNI's template (as aws-node does at every start) while a
 // Deployment scales up, and the plugin binary back when it is removed:
 // every pod the Deployment gets is fenced (a stranger cannot reach it
-// under a default-deny policy) and pods created while the binary was gone
-// start.
+// under a default-deny policy), and pods created while the binary was
+// gone (the sweeper held stopped to keep that window open) start once the
+// kubelet retries them.
 func TestChainKeptOnNode(t *testing.T) {
 	n := needNode(t)
 	cs := clientset(t, n)
@@ -70,14 +83,44 @@ func TestChainKeptOnNode(t *testing.T) {
 	waitFor(t, "podfence chained again", 30*time.Second, func() error { return chainedLast(n) })
 	<-done
 
-	// A primary CNI's upgrade that cleans the plugin directory.
+	// A primary CNI's upgrade that cleans the plugin directory. The
+	// sweeper puts the binary back within milliseconds, too soon for a
+	// pod to be created meanwhile: it is held stopped until a pod's ADD
+	// has failed for want of the binary.
+	sweeper := sweeperPID(t)
+	signal := func(sig string) {
+		if out, err := exec.Command("kill", "-"+sig, sweeper).CombinedOutput(); err != nil {
+			t.Fatalf("kill -%s %s: %v: %s", sig, sweeper, err, out)
+		}
+	}
+	signal("STOP")
+	t.Cleanup(func() { exec.Command("kill", "-CONT", sweeper).Run() })
 	if out, err := n.Exec("rm", "/opt/cni/bin/podfence").CombinedOutput(); err != nil {
 		t.Fatalf("rm: %v: %s", err, out)
 	}
+	setReplicas(t, cs, ns, "web", 8)
+	waitFor(t, "a pod's sandbox refused for want of the plugin", time.Minute, func() error {
+		evs, err := cs.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=FailedCreatePodSandBox"})
+		if err != nil {
+			return err
+		}
+		for _, e := range evs.Items {
+			if strings.Contains(e.Message, "podfence") {
+				t.Logf("while the binary was gone: %s", e.Message)
+				return nil
+			}
+		}
+		return fmt.Errorf("%d sandbox failures, none about podfence", len(evs.Items))
+	})
+	signal("CONT")
+	waitFor(t, "the plugin binary back", 10*time.Second, func() error {
+		if out, err := n.Exec("test", "-x", "/opt/cni/bin/podfence").CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	})
+	// The kubelet retries the refused sandboxes, now with podfence.
 	scale(t, cs, ns, "web", 8)
-	if out, err := n.Exec("test", "-x", "/opt/cni/bin/podfence").CombinedOutput(); err != nil {
-		t.Fatalf("the plugin binary is not back: %v: %s", err, out)
-	}
 
 	pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=web"})
 	if err != nil {
