@@ -17,13 +17,9 @@ KERNELS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck disable=SC2034 # used by the scripts that source this
 KERNELS_TOP=$(cd "$KERNELS_DIR/../.." && pwd)
 KERNELS_VERSIONS=${KERNELS_VERSIONS:-$KERNELS_DIR/versions}
-if [ -z "${KERNELS_CACHE:-}" ]; then
-	if [ -n "${XDG_CACHE_HOME:-}" ]; then
-		KERNELS_CACHE=$XDG_CACHE_HOME/podfence/kernels
-	else
-		KERNELS_CACHE=$KERNELS_DIR/.cache
-	fi
-fi
+# Outside the clone, as hack/k8s-tools.sh's: a fresh clone (every CI run)
+# finds the kernels of the last one.
+KERNELS_CACHE=${KERNELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence/kernels}
 
 # Modules the guest loads, with their dependencies, in dependency order:
 # the veth of the attach tests, clsact (sch_ingress) and cls_bpf for the

@@ -9,8 +9,8 @@
 # Environment:
 #   KERNELS="5.10 6.1"  run only these (names from hack/kernels/versions)
 #   KERNELS_JOBS=2      guests booted at once (default 1: a guest uses 2 vCPUs)
-#   KERNELS_CACHE=DIR   downloads and builds (default $XDG_CACHE_HOME/podfence/
-#                       kernels if XDG_CACHE_HOME is set, else hack/kernels/.cache)
+#   KERNELS_CACHE=DIR   downloads and builds (default ~/.cache/podfence/kernels,
+#                       or $XDG_CACHE_HOME/podfence/kernels when that is set)
 #   GUEST_TIMEOUT=300   seconds a guest may run; GUEST_MEM (MiB), GUEST_CPUS
 #   KERNELS_APT_MAX_AGE=3600  seconds before the apt indices are refreshed
 #   FAIL_DETAILS=3      failed tests per kernel whose output is printed
