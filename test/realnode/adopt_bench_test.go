@@ -43,9 +43,7 @@ func BenchmarkAdoption(b *testing.B) {
 	}
 	// The node's own pods count against its 110; the sweeper's comes back.
 	fill := int32(110 - len(all.Items) - 1)
-	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("fill", 0), metav1.CreateOptions{}); err != nil {
-		b.Fatal(err)
-	}
+	createDeployment(b, cs, ns, "fill")
 	scale(b, cs, ns, "fill", fill)
 	for _, mode := range []string{"tc", "tcx"} {
 		uninstallPodfence(b, n, cs, ns)
@@ -139,19 +137,8 @@ func BenchmarkAdoptionGap(b *testing.B) {
 	n := theNode
 	cs := clientset(b, n)
 	ns := namespace(b, cs, "adoptgap")
-	ctx := context.Background()
-	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("gap", 0), metav1.CreateOptions{}); err != nil {
-		b.Fatal(err)
-	}
-	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		if chainedLast(n) != nil {
-			writeConflist(b, n, string(chained))
-		}
-	})
+	createDeployment(b, cs, ns, "gap")
+	keepChain(b, n)
 	adoptedHere := func(after time.Time) []sweeperLog {
 		var out []sweeperLog
 		for _, l := range sweeperLogs(b, n) {

@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/podfence/podfence/test/node"
 )
@@ -45,6 +46,15 @@ func (k *keepAlive) get(path string) error {
 		return fmt.Errorf("%s: %s (close %v)", path, resp.Status, resp.Close)
 	}
 	return nil
+}
+
+// createDeployment makes a Deployment of netexec pods labelled app=name,
+// with no replica yet (scale sets them).
+func createDeployment(tb testing.TB, cs *kubernetes.Clientset, ns, name string) {
+	tb.Helper()
+	if _, err := cs.AppsV1().Deployments(ns).Create(context.Background(), deployment(name, 0), metav1.CreateOptions{}); err != nil {
+		tb.Fatal(err)
+	}
 }
 
 // deployment is a Deployment of replicas netexec pods labelled app=name.
@@ -155,9 +165,7 @@ func TestAdoptOnNode(t *testing.T) {
 	}
 
 	for _, name := range []string{"guarded", "open"} {
-		if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment(name, 0), metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		createDeployment(t, cs, ns, name)
 		scale(t, cs, ns, name, each)
 	}
 	list := func(app string) []corev1.Pod {

@@ -171,20 +171,10 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 	ctx := context.Background()
 	bin := raceSweeper(t)
 	isolateIngress(t, cs, ns, "race")
-	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("race", 0), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
+	createDeployment(t, cs, ns, "race")
+	chained := keepChain(t, n)
 	pauseSweeper(t, n)
-	t.Cleanup(func() {
-		if chainedLast(n) != nil {
-			writeConflist(t, n, string(chained))
-		}
-		resumeSweeper(t, n)
-	})
+	t.Cleanup(func() { resumeSweeper(t, n) })
 
 	const pods, rounds = 10, 2
 	var adoptedTotal, passesTotal int
@@ -193,7 +183,7 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 		// rewrote the conflist.
 		writeConflist(t, n, node.PrimaryConflist())
 		scale(t, cs, ns, "race", pods)
-		writeConflist(t, n, string(chained))
+		writeConflist(t, n, chained)
 
 		// The kubelet's DELs (podfence's own, the chain is whole again)
 		// race the passes adopting these pods, then its ADDs of their

@@ -14,6 +14,22 @@ import (
 	"github.com/podfence/podfence/test/node"
 )
 
+// keepChain puts the node's conflist back as it is now when the test ends,
+// if podfence is not chained last then, and returns it.
+func keepChain(tb testing.TB, n *node.Node) string {
+	tb.Helper()
+	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if chainedLast(n) != nil {
+			writeConflist(tb, n, string(chained))
+		}
+	})
+	return string(chained)
+}
+
 // sweeperPID is the process ID of the DaemonSet's sweeper on the node.
 func sweeperPID(t testing.TB) string {
 	t.Helper()
@@ -58,19 +74,9 @@ func TestChainKeptOnNode(t *testing.T) {
 	ctx := context.Background()
 	stranger := runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
 	isolateIngress(t, cs, ns, "web")
-	if _, err := cs.AppsV1().Deployments(ns).Create(ctx, deployment("web", 0), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createDeployment(t, cs, ns, "web")
 	// Whatever happens, the node keeps its chain for the other tests.
-	chained, err := n.Exec("cat", "/etc/cni/net.d/10-aws.conflist").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if chainedLast(n) != nil {
-			writeConflist(t, n, string(chained))
-		}
-	})
+	keepChain(t, n)
 
 	// aws-node's start: the template written over the list while pods
 	// are being created.
