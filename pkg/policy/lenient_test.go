@@ -105,6 +105,23 @@ func TestSalvage(t *testing.T) {
 	}
 }
 
+// fileWriter writes files into dir, failing the test on an error.
+func fileWriter(t *testing.T, dir string) func(name, content string) {
+	return func(name, content string) {
+		t.Helper()
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// isolatedWeb is a PolicyEndpoint named name that isolates pod name-0's
+// ingress and lets cidr in.
+func isolatedWeb(name, cidr string) string {
+	return header + "metadata: {name: " + name + ", namespace: default}\nspec:\n  podIsolation: [Ingress]\n" +
+		"  podSelectorEndpoints: [{name: " + name + "-0, namespace: default}]\n  ingress: [{cidr: '" + cidr + "'}]\n"
+}
+
 // TestLastGood: a file that parsed whole is kept as the last good version
 // of its documents; when an update breaks one of them, that one is
 // enforced as it was, by name, while the file's other documents are read
@@ -112,16 +129,8 @@ func TestSalvage(t *testing.T) {
 // goes is forgotten.
 func TestLastGood(t *testing.T) {
 	dir := t.TempDir()
-	write := func(name, content string) {
-		t.Helper()
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	pe := func(name, cidr string) string {
-		return header + "metadata: {name: " + name + ", namespace: default}\nspec:\n  podIsolation: [Ingress]\n" +
-			"  podSelectorEndpoints: [{name: " + name + "-0, namespace: default}]\n  ingress: [{cidr: '" + cidr + "'}]\n"
-	}
+	write := fileWriter(t, dir)
+	pe := isolatedWeb
 	allows := func(docs []Document, pod, addr string) bool {
 		set := ForIdentifier(docs, podid.ID(pod+"-0@default"), ModeStandard)
 		return set.Ingress.Allows(netip.MustParseAddr(addr), 6, 80)
@@ -184,16 +193,8 @@ func TestLastGood(t *testing.T) {
 // give another.
 func TestDigest(t *testing.T) {
 	dir := t.TempDir()
-	write := func(name, content string) {
-		t.Helper()
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	pe := func(cidr string) string {
-		return header + "metadata: {name: web, namespace: default}\nspec:\n  podIsolation: [Ingress]\n" +
-			"  podSelectorEndpoints: [{name: web-0, namespace: default}]\n  ingress: [{cidr: '" + cidr + "'}]\n"
-	}
+	write := fileWriter(t, dir)
+	pe := func(cidr string) string { return isolatedWeb("web", cidr) }
 	digest := func(keep bool) Digest {
 		t.Helper()
 		d, err := ReadDir(dir)
