@@ -195,6 +195,9 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 			if err != nil {
 				return err
 			}
+			if len(list.Items) < pods {
+				return nil // deleted already, between two looks
+			}
 			for _, p := range list.Items {
 				if p.DeletionTimestamp != nil {
 					return nil
