@@ -25,10 +25,7 @@ import (
 // with the mode set in its conflist entry beforehand (install-cni keeps
 // an entry it finds).
 func BenchmarkAdoption(b *testing.B) {
-	if theNode == nil {
-		b.Skip(skipWhy)
-	}
-	n := theNode
+	n := needNode(b)
 	cs := clientset(b, n)
 	ns := namespace(b, cs, "adoptbench")
 	ctx := context.Background()
@@ -131,10 +128,7 @@ const adoptedMsg = "adopted a running pod podfence's ADD never saw"
 //     the keeper leaves (its repair takes milliseconds), and how long each
 //     of those ran unfenced, from its sandbox's creation to its adoption.
 func BenchmarkAdoptionGap(b *testing.B) {
-	if theNode == nil {
-		b.Skip(skipWhy)
-	}
-	n := theNode
+	n := needNode(b)
 	cs := clientset(b, n)
 	ns := namespace(b, cs, "adoptgap")
 	createDeployment(b, cs, ns, "gap")

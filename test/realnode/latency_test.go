@@ -148,14 +148,12 @@ func TestPolicyLatency(t *testing.T) {
 // first connection with the new outcome, through the controller; the
 // target is a p99 below 1 s. It runs once whatever b.N: make latency.
 func BenchmarkPolicyLatency(b *testing.B) {
-	if theNode == nil {
-		b.Skip(skipWhy)
-	}
+	n := needNode(b)
 	changes := 100
 	if v, err := strconv.Atoi(os.Getenv("PODFENCE_LATENCY_CHANGES")); err == nil && v > 0 {
 		changes = v
 	}
-	s := newLatencyScene(b, theNode)
+	s := newLatencyScene(b, n)
 	b.ResetTimer()
 	lat := s.measure(b, changes, time.Minute)
 	b.StopTimer()

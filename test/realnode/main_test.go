@@ -146,10 +146,10 @@ func podfenceImage(root, dir string) (string, error) {
 }
 
 // needNode skips a test without a node.
-func needNode(t *testing.T) *node.Node {
-	t.Helper()
+func needNode(tb testing.TB) *node.Node {
+	tb.Helper()
 	if theNode == nil {
-		t.Skip(skipWhy)
+		tb.Skip(skipWhy)
 	}
 	return theNode
 }

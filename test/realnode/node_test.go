@@ -18,7 +18,7 @@ import (
 // machine-wide sysctls the kubelet writes (TestMain checks the whole host
 // again once the node is gone).
 func TestHostKeptWhileRunning(t *testing.T) {
-	needNode(t)
+	n := needNode(t)
 	now, err := node.SnapshotHost()
 	if err != nil {
 		t.Fatal(err)
@@ -29,7 +29,7 @@ func TestHostKeptWhileRunning(t *testing.T) {
 		}
 	}
 	// The node itself has the kubelet's values.
-	out, err := theNode.Exec("cat", "/proc/sys/vm/overcommit_memory").Output()
+	out, err := n.Exec("cat", "/proc/sys/vm/overcommit_memory").Output()
 	if err != nil || strings.TrimSpace(string(out)) != "1" {
 		t.Errorf("the node's vm.overcommit_memory: %q, %v; want the kubelet's 1", out, err)
 	}

@@ -18,10 +18,7 @@ import (
 // conflist alone), over PODSTART_PODS pods created one after another, each
 // its own pod identifier (so each ADD loads programs: the slow case).
 func BenchmarkPodStart(b *testing.B) {
-	if theNode == nil {
-		b.Skip(skipWhy)
-	}
-	n := theNode
+	n := needNode(b)
 	cs := clientset(b, n)
 	ns := namespace(b, cs, "podstart")
 	const pods = 20
