@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"strconv"
@@ -118,15 +119,21 @@ func TestChurn(t *testing.T) {
 	// time is mostly its place in the queue: what would grow with a leak is
 	// its own work, the time without the wait for the lock.
 	for _, cmd := range []string{"ADD", "DEL"} {
-		total, work := durations(log, cmd)
-		if len(work) < replicas*rounds {
-			t.Errorf("%d %ss that did their work in the plugin's log, want %d", len(work), cmd, replicas*rounds)
+		calls := workCalls(log, cmd)
+		if len(calls) < replicas*rounds {
+			t.Errorf("%d %ss that did their work in the plugin's log, want %d", len(calls), cmd, replicas*rounds)
 			continue
 		}
-		tenth := len(work) / 10
-		first, last := p50(work[:tenth]), p50(work[len(work)-tenth:])
+		tenth := len(calls) / 10
+		firstCalls, lastCalls := calls[:tenth], calls[len(calls)-tenth:]
+		first, last := p50(firstCalls, loggedCall.work), p50(lastCalls, loggedCall.work)
 		t.Logf("%s p50 without the lock wait: first tenth %.1f ms, last tenth %.1f ms; with it %.1f ms and %.1f ms (%d calls)",
-			cmd, first, last, p50(total[:tenth]), p50(total[len(total)-tenth:]), len(work))
+			cmd, first, last, p50(firstCalls, loggedCall.total), p50(lastCalls, loggedCall.total), len(calls))
+		// Where the time goes, so that a slower run says which phase grew.
+		for _, phase := range slices.Sorted(maps.Keys(calls[0].Phases)) {
+			of := func(c loggedCall) float64 { return c.Phases[phase] }
+			t.Logf("  %s phase %s p50: first tenth %.1f ms, last tenth %.1f ms", cmd, phase, p50(firstCalls, of), p50(lastCalls, of))
+		}
 		if last > 1.2*first {
 			t.Errorf("%s p50 grew from %.1f ms to %.1f ms over the run", cmd, first, last)
 		}
@@ -175,32 +182,43 @@ func setReplicas(t testing.TB, cs *kubernetes.Clientset, ns, name string, replic
 	}
 }
 
-// durations are, in log order, the total time and the time without the
-// wait for the identifier's lock (phase "lock") of the plugin's calls of
-// cmd that did their work (ADDs that attached, DELs that detached), in ms.
-func durations(log []byte, cmd string) (total, work []float64) {
+// loggedCall is one line of the plugin's log.
+type loggedCall struct {
+	Cmd      string             `json:"cmd"`
+	Action   string             `json:"action"`
+	Duration float64            `json:"duration_ms"`
+	Phases   map[string]float64 `json:"phases_ms"`
+	Error    string             `json:"error"`
+}
+
+// total is the call's time in ms; work is that without the wait for the
+// identifier's lock (phase "lock").
+func (c loggedCall) total() float64 { return c.Duration }
+func (c loggedCall) work() float64  { return c.Duration - c.Phases["lock"] }
+
+// workCalls are, in log order, the plugin's calls of cmd that did their
+// work (ADDs that attached, DELs that detached).
+func workCalls(log []byte, cmd string) []loggedCall {
+	var out []loggedCall
 	sc := bufio.NewScanner(strings.NewReader(string(log)))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
-		var line struct {
-			Cmd      string             `json:"cmd"`
-			Action   string             `json:"action"`
-			Duration float64            `json:"duration_ms"`
-			Phases   map[string]float64 `json:"phases_ms"`
-			Error    string             `json:"error"`
-		}
-		if json.Unmarshal(sc.Bytes(), &line) != nil || line.Cmd != cmd || line.Error != "" ||
-			!strings.HasPrefix(line.Action, "attached") && line.Action != "detached" {
+		var c loggedCall
+		if json.Unmarshal(sc.Bytes(), &c) != nil || c.Cmd != cmd || c.Error != "" ||
+			!strings.HasPrefix(c.Action, "attached") && c.Action != "detached" {
 			continue
 		}
-		total = append(total, line.Duration)
-		work = append(work, line.Duration-line.Phases["lock"])
+		out = append(out, c)
 	}
-	return total, work
+	return out
 }
 
-func p50(d []float64) float64 {
-	s := slices.Clone(d)
+// p50 is the median of f over calls.
+func p50(calls []loggedCall, f func(loggedCall) float64) float64 {
+	s := make([]float64, len(calls))
+	for i, c := range calls {
+		s[i] = f(c)
+	}
 	slices.Sort(s)
 	return s[len(s)/2]
 }
