@@ -1,7 +1,10 @@
 // Package policy reads PolicyEndpoint documents (networking.k8s.aws/v1alpha1,
 // the schema the AWS network-policy controller writes), selects those that
 // apply to a pod identifier, and compiles one direction's rules into the
-// longest-prefix-match entries the eBPF datapath looks up.
+// longest-prefix-match entries the eBPF datapath looks up. It also reads the
+// controller's cluster-wide ClusterPolicyEndpoint documents, whose tiers
+// (Admin before NetworkPolicy, Baseline after) Decide evaluates and
+// TierRules.Compile flattens into prioritized entries.
 //
 // It is pure Go with no kernel access. What it guarantees:
 //

@@ -527,51 +527,16 @@ func blank(chunk []byte) bool {
 
 // parseDocument parses one document; ok is false for an empty one.
 func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
-	// Strict conversion rejects duplicate keys, which would otherwise let
-	// the last of two "cidr:" lines win silently.
-	j, err := yaml.YAMLToJSONStrict(y)
-	if err != nil {
-		return Document{}, false, fmt.Errorf("%s: %w: %w", src, err, ErrInvalidDocument)
-	}
-	if string(j) == "null" {
-		return Document{}, false, nil
-	}
-	top, err := newObject(src, "", j)
-	if err != nil {
+	top, ok, err := topObject(y, src)
+	if err != nil || !ok {
 		return Document{}, false, err
 	}
 	doc.Source = src
-	for _, kv := range [][2]string{{"apiVersion", apiVersion}, {"kind", kind}} {
-		key, want := kv[0], kv[1]
-		got, err := top.str(key, true)
-		if err != nil {
-			return Document{}, false, err
-		}
-		if got != want {
-			return Document{}, false, invalid(src, key, "%q is not %s", got, want)
-		}
+	m, err := parseHeader(top, kind)
+	if err != nil {
+		return Document{}, false, err
 	}
-	if raw, ok := top.raw("metadata"); ok {
-		meta, err := newObject(src, "metadata", raw)
-		if err != nil {
-			return Document{}, false, err
-		}
-		if doc.Name, err = meta.str("name", false); err != nil {
-			return Document{}, false, err
-		}
-		if doc.Namespace, err = meta.str("namespace", false); err != nil {
-			return Document{}, false, err
-		}
-		// Informational only: an annotation that does not parse is no
-		// reason to refuse the policy.
-		if raw, ok := meta.raw("annotations"); ok {
-			if ann, err := newObject(src, "metadata.annotations", raw); err == nil {
-				if s, err := ann.str(ChangeTimeAnnotation, false); err == nil {
-					doc.ChangedAt, _ = time.Parse(time.RFC3339Nano, s)
-				}
-			}
-		}
-	}
+	doc.Name, doc.Namespace, doc.ChangedAt = m.Name, m.Namespace, m.ChangedAt
 	raw, ok := top.raw("spec")
 	if !ok {
 		return Document{}, false, invalid(src, "spec", "missing")
@@ -580,6 +545,67 @@ func parseDocument(y []byte, src string) (doc Document, ok bool, err error) {
 		return Document{}, false, err
 	}
 	return doc, true, nil
+}
+
+// topObject is the document y as an object; ok is false for an empty one.
+func topObject(y []byte, src string) (top object, ok bool, err error) {
+	// Strict conversion rejects duplicate keys, which would otherwise let
+	// the last of two "cidr:" lines win silently.
+	j, err := yaml.YAMLToJSONStrict(y)
+	if err != nil {
+		return top, false, fmt.Errorf("%s: %w: %w", src, err, ErrInvalidDocument)
+	}
+	if string(j) == "null" {
+		return top, false, nil
+	}
+	top, err = newObject(src, "", j)
+	return top, err == nil, err
+}
+
+// meta is what podfence reads of an object's metadata.
+type meta struct {
+	Name, Namespace string
+	// ChangedAt is when the controller last changed the object
+	// (ChangeTimeAnnotation), zero when it does not say.
+	ChangedAt time.Time
+}
+
+// parseHeader checks top's apiVersion and kind and reads its metadata.
+func parseHeader(top object, wantKind string) (m meta, err error) {
+	for _, kv := range [][2]string{{"apiVersion", apiVersion}, {"kind", wantKind}} {
+		key, want := kv[0], kv[1]
+		got, err := top.str(key, true)
+		if err != nil {
+			return m, err
+		}
+		if got != want {
+			return m, invalid(top.src, key, "%q is not %s", got, want)
+		}
+	}
+	raw, ok := top.raw("metadata")
+	if !ok {
+		return m, nil
+	}
+	md, err := newObject(top.src, "metadata", raw)
+	if err != nil {
+		return m, err
+	}
+	if m.Name, err = md.str("name", false); err != nil {
+		return m, err
+	}
+	if m.Namespace, err = md.str("namespace", false); err != nil {
+		return m, err
+	}
+	// Informational only: an annotation that does not parse is no reason
+	// to refuse the policy.
+	if raw, ok := md.raw("annotations"); ok {
+		if ann, err := newObject(top.src, "metadata.annotations", raw); err == nil {
+			if s, err := ann.str(ChangeTimeAnnotation, false); err == nil {
+				m.ChangedAt, _ = time.Parse(time.RFC3339Nano, s)
+			}
+		}
+	}
+	return m, nil
 }
 
 // specFields are the fields of spec that podfence knows. podSelector and
@@ -675,27 +701,37 @@ func (doc *Document) parseIsolation(spec object) error {
 	return nil
 }
 
-func (doc *Document) parseSelects(spec object) error {
+func (doc *Document) parseSelects(spec object) (err error) {
+	doc.Selects, err = parseEndpoints(spec, func(n Note) { doc.Notes = append(doc.Notes, n) })
+	return err
+}
+
+// parseEndpoints reads spec.podSelectorEndpoints; note takes what is
+// ignored.
+func parseEndpoints(spec object, note func(Note)) ([]Endpoint, error) {
 	endpoints, err := spec.list("podSelectorEndpoints")
 	if err != nil {
-		return err
+		return nil, err
 	}
+	var out []Endpoint
 	for i, raw := range endpoints {
-		ep, err := newObject(doc.Source, fmt.Sprintf("spec.podSelectorEndpoints[%d]", i), raw)
+		ep, err := newObject(spec.src, fmt.Sprintf("spec.podSelectorEndpoints[%d]", i), raw)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		doc.ignoreUnknown(ep, endpointFields)
+		for _, k := range ep.unknown(endpointFields) {
+			note(Note{Field: ep.field(k), What: "unknown field, ignored (known: " + strings.Join(endpointFields, ", ") + ")"})
+		}
 		var e Endpoint
 		if e.Name, err = ep.str("name", true); err != nil {
-			return err
+			return nil, err
 		}
 		if e.Namespace, err = ep.str("namespace", true); err != nil {
-			return err
+			return nil, err
 		}
-		doc.Selects = append(doc.Selects, e)
+		out = append(out, e)
 	}
-	return nil
+	return out, nil
 }
 
 // parseRules parses the rules of spec's key. A rule that podfence cannot
@@ -943,6 +979,22 @@ func (o object) port(key string) (uint16, bool, error) {
 		return 0, false, invalid(o.src, o.field(key), "%s is not a port number in 1..65535", v)
 	}
 	return uint16(n), true, nil
+}
+
+// integer reads key as a whole number in lo..hi; ok is false when absent.
+func (o object) integer(key string, lo, hi int64) (n int64, ok bool, err error) {
+	v, ok := o.raw(key)
+	if !ok {
+		return 0, false, nil
+	}
+	if k := jsonKind(v); k != "number" {
+		return 0, false, invalid(o.src, o.field(key), "must be a number, not %s", k)
+	}
+	n, err = strconv.ParseInt(string(v), 10, 64)
+	if err != nil || n < lo || n > hi {
+		return 0, false, invalid(o.src, o.field(key), "%s is not a whole number in %d..%d", v, lo, hi)
+	}
+	return n, true, nil
 }
 
 func (o object) list(key string) ([]json.RawMessage, error) {

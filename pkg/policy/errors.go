@@ -32,3 +32,7 @@ func invalid(src, field, format string, args ...any) error {
 	}
 	return fmt.Errorf("%s: %s: %w", src, msg, ErrInvalidDocument)
 }
+
+// ErrTooManyTierRules is returned by TierRules.Compile when one prefix of
+// a tier needs more rule slots than a datapath entry holds (MaxTierRules).
+var ErrTooManyTierRules = errors.New("too many cluster rules for one prefix")

@@ -6,17 +6,22 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 )
 
 // FuzzDocument: any bytes in the policy directory parse into documents,
 // never a panic, and a broken one keeps no rule; what parses compiles for
-// the datapath (or is
-// refused with one of the limit errors), and every compiled lookup answers
-// as the direct evaluation does. The seeds are the example documents; the
-// corpus testdata/fuzz/FuzzDocument keeps what the fuzzer found.
+// the datapath (or is refused with one of the limit errors), and every
+// compiled lookup answers as the direct evaluation does. The same bytes
+// read as ClusterPolicyEndpoints parse or fail with ErrInvalidDocument, and
+// their tiers' compiled lookups answer as First does. The seeds are the
+// example documents and the controller's objects; the corpus
+// testdata/fuzz/FuzzDocument keeps what the fuzzer found.
 func FuzzDocument(f *testing.F) {
 	seeds, _ := filepath.Glob("testdata/*.*")
+	controller, _ := filepath.Glob("testdata/controller/*.json")
+	seeds = append(seeds, controller...)
 	seeds = append(seeds, "../../conf/policies/web-allow.yaml")
 	for _, path := range seeds {
 		data, err := os.ReadFile(path)
@@ -78,5 +83,39 @@ func FuzzDocument(f *testing.F) {
 				}
 			}
 		}
+		fuzzCluster(t, data, a, proto, port)
 	})
+}
+
+func fuzzCluster(t *testing.T, data []byte, a netip.Addr, proto uint8, port uint16) {
+	docs, err := ParseCluster(bytes.NewReader(data), "fuzz.yaml")
+	if err != nil {
+		if !errors.Is(err, ErrInvalidDocument) {
+			t.Fatalf("ParseCluster: %v, not ErrInvalidDocument", err)
+		}
+		return
+	}
+	for _, doc := range docs {
+		for _, rules := range [][]ClusterRule{doc.Ingress, doc.Egress} {
+			tier := TierRules(slices.SortedStableFunc(slices.Values(rules), Before))
+			v4, v6, err := tier.Compile()
+			if err != nil {
+				if !errors.Is(err, ErrTooManyPortRanges) && !errors.Is(err, ErrTooManyTierRules) {
+					t.Fatalf("%s: Compile: %v", doc.Source, err)
+				}
+				continue
+			}
+			addrs := []netip.Addr{a}
+			for _, r := range tier {
+				addrs = append(addrs, r.CIDR.Masked().Addr())
+			}
+			for _, addr := range addrs {
+				want, wantOK := tier.First(addr, proto, port)
+				got, gotOK := tierLookup(v4, v6, addr, proto, port)
+				if gotOK != wantOK || gotOK && (got.Action != want.Action || got.Priority != want.Priority) {
+					t.Fatalf("%s: %s proto %d port %d: lookup %+v %v, First %+v %v", doc.Source, addr, proto, port, got, gotOK, want, wantOK)
+				}
+			}
+		}
+	}
 }

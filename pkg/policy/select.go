@@ -159,8 +159,13 @@ func Selecting(docs []Document, id podid.ID) []Document {
 	return out
 }
 
-func selects(d Document, id podid.ID) bool {
-	for _, e := range d.Selects {
+func selects(d Document, id podid.ID) bool { return selectsAny(d.Selects, id) }
+
+// selectsAny reports whether a pod of eps maps to id. An entry whose pod
+// name is not a valid Kubernetes name selects nothing: it cannot belong to
+// a running pod.
+func selectsAny(eps []Endpoint, id podid.ID) bool {
+	for _, e := range eps {
 		if got, err := podid.FromPod(e.Name, e.Namespace); err == nil && got == id {
 			return true
 		}
