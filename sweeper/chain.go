@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/policywatch"
 )
@@ -59,7 +60,7 @@ func ensureChained(cf cniFlags, conf map[string]any, bin []byte, install bool) (
 	dst := filepath.Join(cf.binDir, cniconf.PluginType)
 	old, err := os.ReadFile(dst)
 	if err != nil || len(old) == 0 || (install && !bytes.Equal(old, bin)) {
-		if err := cniconf.WriteFileAtomic(dst, bin, 0o755); err != nil {
+		if err := atomicfile.Write(dst, bin, atomicfile.Options{Perm: 0o755, KeepMode: true, Sync: true}); err != nil {
 			return res, fmt.Errorf("install %s: %w", dst, err)
 		}
 		res.installed = true
@@ -71,7 +72,7 @@ func ensureChained(cf cniFlags, conf map[string]any, bin []byte, install bool) (
 		if again, err := os.ReadFile(path); err != nil || !bytes.Equal(again, data) {
 			return res, fmt.Errorf("%s changed while podfence was being chained into it: %w", path, errChangedMeanwhile)
 		}
-		if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
+		if err := atomicfile.Write(path, out, atomicfile.Options{Perm: 0o644, KeepMode: true, Sync: true}); err != nil {
 			return res, fmt.Errorf("write %s: %w", path, err)
 		}
 		res.chained = true

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
@@ -118,7 +119,7 @@ func unchain(cf cniFlags, stdout io.Writer) error {
 		return fmt.Errorf("%s: %w (left as it is)", path, err)
 	}
 	if changed {
-		if err := cniconf.WriteFileAtomic(path, out, 0o644); err != nil {
+		if err := atomicfile.Write(path, out, atomicfile.Options{Perm: 0o644, KeepMode: true, Sync: true}); err != nil {
 			return fmt.Errorf("write %s: %w", path, err)
 		}
 		fmt.Fprintf(stdout, "removed podfence from %s\n", path)

@@ -222,32 +222,3 @@ func FindConflist(dir string) (string, error) {
 	sort.Strings(names)
 	return filepath.Join(dir, names[0]), nil
 }
-
-// WriteFileAtomic replaces path with data through a temporary file in the
-// same directory, keeping path's mode, or perm for a new file.
-func WriteFileAtomic(path string, data []byte, perm os.FileMode) error {
-	if fi, err := os.Stat(path); err == nil {
-		perm = fi.Mode().Perm()
-	}
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".podfence-")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name()) // after the rename, there is nothing left to remove
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Chmod(perm); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
-}

@@ -134,25 +134,6 @@ func TestFindConflist(t *testing.T) {
 	}
 }
 
-func TestWriteFileAtomicKeepsMode(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "10-aws.conflist")
-	if err := os.WriteFile(path, []byte("old"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := WriteFileAtomic(path, []byte("new"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	fi, _ := os.Stat(path)
-	data, _ := os.ReadFile(path)
-	if string(data) != "new" || fi.Mode().Perm() != 0o600 {
-		t.Errorf("file %q mode %v, want \"new\" 0600", data, fi.Mode().Perm())
-	}
-	entries, _ := os.ReadDir(filepath.Dir(path))
-	if len(entries) != 1 {
-		t.Errorf("temporary files left: %v", entries)
-	}
-}
-
 // Entry gives back what Chain wrote, so that a list rewritten without
 // podfence can be chained again with the settings it had.
 func TestEntryRoundTrip(t *testing.T) {

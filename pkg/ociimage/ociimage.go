@@ -25,6 +25,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+
+	"github.com/podfence/podfence/pkg/atomicfile"
 )
 
 // Spec is one image: files copied into one layer on an empty base, and
@@ -104,23 +106,13 @@ func writeArchive(out string, tag name.Tag, img v1.Image) error {
 	})); err != nil {
 		return err
 	}
-	f, err := os.CreateTemp(filepath.Dir(out), ".image-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(f.Name())
-	tw := tar.NewWriter(f)
-	err = tw.AddFS(os.DirFS(dir))
-	if err == nil {
-		err = tw.Close()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return err
-	}
-	return os.Rename(f.Name(), out)
+	return atomicfile.WriteFunc(out, atomicfile.Options{}, func(w io.Writer) error {
+		tw := tar.NewWriter(w)
+		if err := tw.AddFS(os.DirFS(dir)); err != nil {
+			return err
+		}
+		return tw.Close()
+	})
 }
 
 // filesLayer is a tar of files (image path -> source), with the

@@ -19,6 +19,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/ipproto"
 )
 
@@ -369,20 +370,7 @@ func (d *Dir) KeepLastGood() error {
 		if err := os.MkdirAll(keep, 0o755); err != nil {
 			return fmt.Errorf("keep the last good policy: %w", err)
 		}
-		tmp, err := os.CreateTemp(keep, ".tmp-")
-		if err == nil {
-			_, err = tmp.Write(f.Data)
-			if cerr := tmp.Close(); err == nil {
-				err = cerr
-			}
-			if err == nil {
-				err = os.Rename(tmp.Name(), path)
-			}
-			if err != nil {
-				os.Remove(tmp.Name())
-			}
-		}
-		if err != nil {
+		if err := atomicfile.Write(path, f.Data, atomicfile.Options{}); err != nil {
 			errs = append(errs, fmt.Errorf("keep the last good version of %s: %w", f.Name, err))
 		}
 	}

@@ -41,6 +41,7 @@ import (
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -301,7 +302,9 @@ func (m *Mirror) reconcile() (Report, error) {
 		if old, ok := m.written[name]; ok && bytes.Equal(old, data) {
 			continue
 		}
-		if err := writeAtomic(m.opts.Dir, name, data); err != nil {
+		// No fsync: after a crash the directory is marked unsynced and
+		// rewritten at the next start.
+		if err := atomicfile.Write(filepath.Join(m.opts.Dir, name), data, atomicfile.Options{}); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -407,31 +410,4 @@ func readOwned(dir string) (map[string][]byte, error) {
 		owned[e.Name()] = data
 	}
 	return owned, nil
-}
-
-// writeAtomic replaces dir/name with data through a hidden temporary file
-// and a rename, so that a reader sees the old file or the new one. No fsync:
-// after a crash the directory is marked unsynced and rewritten at the next
-// start.
-func writeAtomic(dir, name string, data []byte) error {
-	f, err := os.CreateTemp(dir, "."+name+".*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	tmp := f.Name()
-	_, err = f.Write(data)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Chmod(tmp, 0o644)
-	}
-	if err == nil {
-		err = os.Rename(tmp, filepath.Join(dir, name))
-	}
-	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("write %s: %w", name, err)
-	}
-	return nil
 }
