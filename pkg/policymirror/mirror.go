@@ -13,6 +13,13 @@
 // earlier run saw. Strict pods open nothing on its word, and the sweeper
 // changes no live policy until the sync.
 //
+// ClusterPolicyEndpoints (the controller's cluster-wide tiers) are mirrored
+// the same way into the subdirectory ClusterDir, where a plugin of an older
+// build, which would refuse the kind, never looks. A cluster whose API does
+// not serve them (a controller without cluster policies, or a manifest
+// without the permission) has none: the Mirror says so once, asks again
+// every minute, and syncs without them.
+//
 // The informer's reflector resumes its watch from the last resourceVersion
 // and lists again when the server answers 410 Gone (its watch cache has moved
 // on, after a restart for instance); a list replaces the informer's whole
@@ -35,6 +42,7 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
@@ -45,11 +53,27 @@ import (
 	"github.com/podfence/podfence/pkg/policy"
 )
 
-// Resource is the API resource the upstream network-policy controller writes.
-var Resource = schema.GroupVersionResource{Group: "networking.k8s.aws", Version: "v1alpha1", Resource: "policyendpoints"}
+// Resource and ClusterResource are the API resources the upstream
+// network-policy controller writes.
+var (
+	Resource        = schema.GroupVersionResource{Group: "networking.k8s.aws", Version: "v1alpha1", Resource: "policyendpoints"}
+	ClusterResource = schema.GroupVersionResource{Group: "networking.k8s.aws", Version: "v1alpha1", Resource: "clusterpolicyendpoints"}
+)
 
-// filePrefix marks the files a Mirror owns: it never touches others.
-const filePrefix = "pe_"
+// filePrefix and clusterFilePrefix mark the files a Mirror owns: it never
+// touches others.
+const (
+	filePrefix        = "pe_"
+	clusterFilePrefix = "cpe_"
+)
+
+// ClusterDir is the subdirectory of the policy directory that holds the
+// mirrored ClusterPolicyEndpoints.
+const ClusterDir = "cluster"
+
+// probeEvery is how often a Mirror asks again whether the API serves
+// ClusterPolicyEndpoints, while it does not.
+var probeEvery = time.Minute
 
 // retryAfter is how long a failed reconcile (a full disk, say) waits before
 // it is tried again, when no event comes first.
@@ -78,14 +102,30 @@ type Report struct {
 	Duration time.Duration
 }
 
-// Mirror writes the PolicyEndpoints of this node into Dir.
+// Mirror writes the PolicyEndpoints and ClusterPolicyEndpoints of this node
+// into Dir.
 type Mirror struct {
-	opts     Options
+	opts    Options
+	client  dynamic.Interface
+	factory dynamicinformer.DynamicSharedInformerFactory
+	kinds   []*kind // PolicyEndpoints, then ClusterPolicyEndpoints
+	kick    chan struct{}
+	changed chan struct{}
+	synced  chan struct{}
+}
+
+// kind is one resource the Mirror writes, each into a directory of its own.
+type kind struct {
+	name   string // "PolicyEndpoint", for logs
+	gvr    schema.GroupVersionResource
+	dir    string
+	prefix string
+	// check is the parser's verdict on a rendered object (nil: parses).
+	check func(data []byte, file string) error
+	// informer is nil while the API does not serve the resource (only
+	// ClusterPolicyEndpoints may be missing); such a kind holds nothing.
 	informer cache.SharedIndexInformer
-	kick     chan struct{}
-	changed  chan struct{}
-	synced   chan struct{}
-	// written is what Dir holds, by file name; it starts from what an
+	// written is what dir holds, by file name; it starts from what an
 	// earlier run left, so a restart rewrites only what changed meanwhile.
 	written map[string][]byte
 	// rendered is each selected object's document at the resourceVersion
@@ -102,8 +142,9 @@ type rendering struct {
 	logged          bool  // invalid was logged
 }
 
-// New prepares a Mirror of client's PolicyEndpoints into opts.Dir and marks
-// the directory unsynced. Nothing is watched until Run.
+// New prepares a Mirror of client's PolicyEndpoints and
+// ClusterPolicyEndpoints into opts.Dir and marks the directory unsynced.
+// Nothing is watched until Run.
 func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 	if opts.Dir == "" || opts.NodeAddrs == nil {
 		return nil, errors.New("policymirror: Dir and NodeAddrs are required")
@@ -111,55 +152,80 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
-	if err := os.MkdirAll(opts.Dir, 0o755); err != nil {
+	clusterDir := filepath.Join(opts.Dir, ClusterDir)
+	if err := os.MkdirAll(clusterDir, 0o755); err != nil {
 		return nil, fmt.Errorf("policy directory: %w", err)
 	}
 	if err := policy.MarkUnsynced(opts.Dir); err != nil {
 		return nil, err
 	}
-	written, err := readOwned(opts.Dir)
-	if err != nil {
+	m := &Mirror{
+		opts:   opts,
+		client: client,
+		// No resync period: the reflector's relists and the watch are
+		// the source of changes; a periodic resync would only replay the
+		// store.
+		factory: dynamicinformer.NewDynamicSharedInformerFactory(client, 0),
+		kick:    make(chan struct{}, 1),
+		changed: make(chan struct{}, 1),
+		synced:  make(chan struct{}),
+	}
+	for _, k := range []*kind{
+		{name: "PolicyEndpoint", gvr: Resource, dir: opts.Dir, prefix: filePrefix, check: func(data []byte, file string) error {
+			docs, _ := policy.Parse(bytes.NewReader(data), file)
+			return policy.Strict(docs)
+		}},
+		{name: "ClusterPolicyEndpoint", gvr: ClusterResource, dir: clusterDir, prefix: clusterFilePrefix, check: func(data []byte, file string) error {
+			_, err := policy.ParseCluster(bytes.NewReader(data), file)
+			return err
+		}},
+	} {
+		var err error
+		if k.written, err = readOwned(k.dir, k.prefix); err != nil {
+			return nil, err
+		}
+		k.rendered = make(map[string]rendering)
+		m.kinds = append(m.kinds, k)
+	}
+	// PolicyEndpoints are served wherever the controller runs: waiting
+	// for their sync is how the Mirror waits for the API.
+	if err := m.watch(m.kinds[0]); err != nil {
 		return nil, err
 	}
-	// No resync period: the reflector's relists and the watch are the
-	// source of changes; a periodic resync would only replay the store.
-	factory := dynamicinformer.NewDynamicSharedInformerFactory(client, 0)
-	m := &Mirror{
-		opts:     opts,
-		informer: factory.ForResource(Resource).Informer(),
-		kick:     make(chan struct{}, 1),
-		changed:  make(chan struct{}, 1),
-		synced:   make(chan struct{}),
-		written:  written,
-		rendered: make(map[string]rendering),
-	}
+	return m, nil
+}
+
+// watch starts k's informer (at Run, or at once when Run is running).
+func (m *Mirror) watch(k *kind) error {
+	inf := m.factory.ForResource(k.gvr).Informer()
 	kick := func(any) { m.Kick() }
-	if _, err := m.informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    kick,
 		UpdateFunc: func(_, obj any) { kick(obj) },
 		DeleteFunc: func(obj any) {
 			// A tombstone: the object was missing from a relist, its
 			// delete event lost with the watch that was down.
 			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				opts.Log.Info("PolicyEndpoint found deleted at a relist; the watch missed its delete", "object", t.Key)
+				m.opts.Log.Info(k.name+" found deleted at a relist; the watch missed its delete", "object", t.Key)
 			}
 			m.Kick()
 		},
 	}); err != nil {
-		return nil, err
+		return err
 	}
-	if err := m.informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+	if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
 		if apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
 			// The server no longer has the history since our last
 			// resourceVersion (compacted, or a restarted watch cache).
-			opts.Log.Info("watch expired (410 Gone); listing PolicyEndpoints again", "error", err)
+			m.opts.Log.Info("watch expired (410 Gone); listing "+k.name+"s again", "error", err)
 			return
 		}
-		opts.Log.Warn("watching PolicyEndpoints failed; enforcing the last policy and retrying", "error", err)
+		m.opts.Log.Warn("watching "+k.name+"s failed; enforcing the last policy and retrying", "error", err)
 	}); err != nil {
-		return nil, err
+		return err
 	}
-	return m, nil
+	k.informer = inf
+	return nil
 }
 
 // Changed receives after a reconcile that changed the directory, and after
@@ -178,15 +244,59 @@ func (m *Mirror) Kick() {
 	}
 }
 
+// served asks the API whether it serves gvr: true or false once the API
+// answers either way (a 404: no such resource; a 403: the manifest does not
+// grant it), retrying anything else (the API not reachable yet) until ctx
+// ends.
+func (m *Mirror) served(ctx context.Context, gvr schema.GroupVersionResource, name string) (bool, error) {
+	wait := 100 * time.Millisecond
+	for {
+		_, err := m.client.Resource(gvr).List(ctx, metav1.ListOptions{Limit: 1})
+		switch {
+		case err == nil:
+			return true, nil
+		case apierrors.IsNotFound(err):
+			return false, nil
+		case apierrors.IsForbidden(err):
+			m.opts.Log.Warn(name+"s are not readable: the sweeper's ClusterRole lacks them (an older manifest?); none are mirrored", "error", err)
+			return false, nil
+		}
+		select {
+		case <-ctx.Done():
+			return false, context.Cause(ctx)
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 5*time.Second)
+	}
+}
+
 // Run watches until ctx ends. Events that arrive during a reconcile are
 // folded into the next one, so a burst costs one or two writes of the set.
 func (m *Mirror) Run(ctx context.Context) error {
-	go m.informer.RunWithContext(ctx)
 	start := time.Now()
-	if !cache.WaitForCacheSync(ctx.Done(), m.informer.HasSynced) {
-		return context.Cause(ctx)
+	cluster := m.kinds[1]
+	var probe <-chan time.Time
+	served, err := m.served(ctx, cluster.gvr, cluster.name)
+	if err != nil {
+		return err
 	}
-	m.opts.Log.Info("PolicyEndpoints listed", "objects", len(m.informer.GetStore().ListKeys()), "duration_ms", time.Since(start).Milliseconds())
+	if served {
+		if err := m.watch(cluster); err != nil {
+			return err
+		}
+	} else {
+		m.opts.Log.Info("the API serves no ClusterPolicyEndpoints (no cluster policies here); asking again every "+probeEvery.String(), "resource", cluster.gvr.Resource)
+		probe = time.After(probeEvery)
+	}
+	m.factory.Start(ctx.Done())
+	for _, k := range m.kinds {
+		if k.informer != nil && !cache.WaitForCacheSync(ctx.Done(), k.informer.HasSynced) {
+			return context.Cause(ctx)
+		}
+		if k.informer != nil {
+			m.opts.Log.Info(k.name+"s listed", "objects", len(k.informer.GetStore().ListKeys()), "duration_ms", time.Since(start).Milliseconds())
+		}
+	}
 	first := true
 	retry := time.NewTimer(0)
 	retry.Stop()
@@ -218,6 +328,25 @@ func (m *Mirror) Run(ctx context.Context) error {
 			return nil
 		case <-m.kick:
 		case <-retry.C:
+		case <-probe:
+			probe = nil
+			if ok, err := m.served(ctx, cluster.gvr, cluster.name); err != nil {
+				return nil // ctx ended
+			} else if !ok {
+				probe = time.After(probeEvery)
+				continue
+			}
+			if err := m.watch(cluster); err != nil {
+				return err
+			}
+			m.opts.Log.Info("the API now serves ClusterPolicyEndpoints; mirroring them")
+			m.factory.Start(ctx.Done())
+			// Its first list kicks as it goes; this reconciles once it is whole.
+			go func() {
+				if cache.WaitForCacheSync(ctx.Done(), cluster.informer.HasSynced) {
+					m.Kick()
+				}
+			}()
 		}
 	}
 }
@@ -229,17 +358,34 @@ func (m *Mirror) signal() {
 	}
 }
 
-// reconcile makes the directory's owned files what the store says.
+// reconcile makes the directories' owned files what the stores say.
 func (m *Mirror) reconcile() (Report, error) {
 	start := time.Now()
 	addrs, err := m.opts.NodeAddrs()
 	if err != nil {
 		return Report{}, fmt.Errorf("node addresses: %w", err)
 	}
-	objs := m.informer.GetStore().List()
-	rep := Report{Objects: len(objs)}
-	want := make(map[string][]byte, len(m.written))
-	seen := make(map[string]bool, len(m.rendered))
+	var rep Report
+	var errs []error
+	for _, k := range m.kinds {
+		if k.informer != nil && !k.informer.HasSynced() {
+			continue // being listed: what the directory holds stays
+		}
+		errs = append(errs, m.reconcileKind(k, addrs, &rep))
+	}
+	rep.Duration = time.Since(start)
+	return rep, errors.Join(errs...)
+}
+
+// reconcileKind makes k's owned files what its store says, adding to rep.
+func (m *Mirror) reconcileKind(k *kind, addrs []netip.Addr, rep *Report) error {
+	var objs []any
+	if k.informer != nil {
+		objs = k.informer.GetStore().List()
+	}
+	rep.Objects += len(objs)
+	want := make(map[string][]byte, len(k.written))
+	seen := make(map[string]bool, len(k.rendered))
 	// A policy's chunks select pods independently of the rules they hold:
 	// every chunk of a policy that selects a pod here is this node's.
 	policies := map[string]bool{}
@@ -258,8 +404,8 @@ func (m *Mirror) reconcile() (Report, error) {
 		if ref := policyRef(u); !SelectsNode(u, addrs) && (ref == "" || !policies[ref]) {
 			continue
 		}
-		name := FileName(u.GetNamespace(), u.GetName())
-		r, ok := m.rendered[name]
+		name := k.prefix + fileStem(u.GetNamespace(), u.GetName())
+		r, ok := k.rendered[name]
 		if rv := u.GetResourceVersion(); !ok || rv == "" || r.resourceVersion != rv {
 			r = rendering{resourceVersion: rv}
 			r.data, r.err = Render(u)
@@ -267,16 +413,15 @@ func (m *Mirror) reconcile() (Report, error) {
 				// Mirrored all the same: the policy directory's loader
 				// enforces its last good version, or its isolation
 				// alone, and reports it (policy.ReadDir).
-				docs, _ := policy.Parse(bytes.NewReader(r.data), name)
-				r.invalid = policy.Strict(docs)
+				r.invalid = k.check(r.data, name)
 			}
-			m.rendered[name] = r
+			k.rendered[name] = r
 		}
 		seen[name] = true
 		if r.err != nil {
 			rep.Invalid++
-			m.opts.Log.Warn("PolicyEndpoint not mirrored: it cannot be rendered; its last file stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.err)
-			if old, ok := m.written[name]; ok {
+			m.opts.Log.Warn(k.name+" not mirrored: it cannot be rendered; its last file stays", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.err)
+			if old, ok := k.written[name]; ok {
 				want[name] = old
 			}
 			continue
@@ -284,52 +429,63 @@ func (m *Mirror) reconcile() (Report, error) {
 		if r.invalid != nil {
 			rep.Invalid++
 			if !r.logged { // once per version
-				m.opts.Log.Warn("PolicyEndpoint does not parse: its last good version is enforced, or without one its isolation alone", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.invalid)
+				m.opts.Log.Warn(k.name+" does not parse: its last good version is enforced, or without one its isolation alone", "namespace", u.GetNamespace(), "name", u.GetName(), "error", r.invalid)
 				r.logged = true
-				m.rendered[name] = r
+				k.rendered[name] = r
 			}
 		}
 		want[name] = r.data
 	}
-	for name := range m.rendered {
+	for name := range k.rendered {
 		if !seen[name] {
-			delete(m.rendered, name)
+			delete(k.rendered, name)
 		}
 	}
-	rep.Selected = len(want)
+	rep.Selected += len(want)
 	var errs []error
 	for name, data := range want {
-		if old, ok := m.written[name]; ok && bytes.Equal(old, data) {
+		if old, ok := k.written[name]; ok && bytes.Equal(old, data) {
 			continue
 		}
 		// No fsync: after a crash the directory is marked unsynced and
 		// rewritten at the next start.
-		if err := atomicfile.Write(filepath.Join(m.opts.Dir, name), data, atomicfile.Options{}); err != nil {
+		if err := atomicfile.Write(filepath.Join(k.dir, name), data, atomicfile.Options{}); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		m.written[name] = data
+		k.written[name] = data
 		rep.Written++
 	}
-	for name := range m.written {
+	for name := range k.written {
 		if _, ok := want[name]; ok {
 			continue
 		}
-		if err := os.Remove(filepath.Join(m.opts.Dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		if err := os.Remove(filepath.Join(k.dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			errs = append(errs, err)
 			continue
 		}
-		delete(m.written, name)
+		delete(k.written, name)
 		rep.Removed++
 	}
-	rep.Duration = time.Since(start)
-	return rep, errors.Join(errs...)
+	return errors.Join(errs...)
 }
 
 // FileName is the file of PolicyEndpoint namespace/name. Neither a namespace
 // nor an object name can hold "_" or "/", so the mapping is one to one.
 func FileName(namespace, name string) string {
-	return filePrefix + namespace + "_" + name + ".json"
+	return filePrefix + fileStem(namespace, name)
+}
+
+// ClusterFileName is the file, in ClusterDir, of ClusterPolicyEndpoint name.
+func ClusterFileName(name string) string {
+	return clusterFilePrefix + fileStem("", name)
+}
+
+func fileStem(namespace, name string) string {
+	if namespace == "" { // cluster-scoped
+		return name + ".json"
+	}
+	return namespace + "_" + name + ".json"
 }
 
 // SelectsNode reports whether one of pe's podSelectorEndpoints runs on a node
@@ -374,7 +530,10 @@ func Render(pe *unstructured.Unstructured) ([]byte, error) {
 	if !ok {
 		return nil, errors.New("no spec")
 	}
-	meta := map[string]any{"name": pe.GetName(), "namespace": pe.GetNamespace()}
+	meta := map[string]any{"name": pe.GetName()}
+	if ns := pe.GetNamespace(); ns != "" { // cluster-scoped kinds have none
+		meta["namespace"] = ns
+	}
 	// When the controller wrote it, for podfence_policy_programming_latency_seconds.
 	if t, ok := pe.GetAnnotations()[policy.ChangeTimeAnnotation]; ok {
 		meta["annotations"] = map[string]any{policy.ChangeTimeAnnotation: t}
@@ -393,14 +552,14 @@ func Render(pe *unstructured.Unstructured) ([]byte, error) {
 }
 
 // readOwned reads the files an earlier Mirror left in dir.
-func readOwned(dir string) (map[string][]byte, error) {
+func readOwned(dir, prefix string) (map[string][]byte, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("policy directory: %w", err)
 	}
 	owned := make(map[string][]byte)
 	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), filePrefix) || !e.Type().IsRegular() {
+		if !strings.HasPrefix(e.Name(), prefix) || !e.Type().IsRegular() {
 			continue
 		}
 		data, err := os.ReadFile(filepath.Join(dir, e.Name()))
