@@ -253,27 +253,11 @@ func parseClusterRule(o object) (rules []ClusterRule, note string, err error) {
 	for _, k := range o.unknown(clusterRuleFields) {
 		unknown = append(unknown, o.field(k))
 	}
-	ports, err := o.list("ports")
+	ports, unknownPorts, err := parsePorts(o)
 	if err != nil {
 		return nil, "", err
 	}
-	for i, raw := range ports {
-		p, err := newObject(o.src, fmt.Sprintf("%s[%d]", o.field("ports"), i), raw)
-		if err != nil {
-			return nil, "", err
-		}
-		for _, k := range p.unknown(portFields) {
-			unknown = append(unknown, p.field(k))
-		}
-		pr, err := parsePort(p)
-		if err != nil {
-			return nil, "", err
-		}
-		r.Ports = append(r.Ports, pr)
-	}
-	if len(r.Ports) == 0 {
-		r.Ports = []PortRange{allPorts}
-	}
+	r.Ports, unknown = ports, append(unknown, unknownPorts...)
 	domain, hasDomain := "", false
 	if _, ok := o.raw("domainName"); ok {
 		if domain, err = o.str("domainName", true); err != nil {

@@ -31,28 +31,7 @@ func TestKnowsEveryClusterControllerField(t *testing.T) {
 		"spec.ingress[].ports[]":      portFields,
 		"spec.egress[].ports[]":       portFields,
 	}
-	theirs := map[string]bool{}
-	for _, path := range jsonFields(reflect.TypeOf(controller.ClusterPolicyEndpointSpec{}), "spec") {
-		theirs[path] = true
-		i := strings.LastIndexByte(path, '.')
-		parent, name := path[:i], path[i+1:]
-		if strings.HasPrefix(parent, "spec.subject") {
-			continue // the whole object is accepted unread
-		}
-		if !slices.Contains(known[parent], name) {
-			t.Errorf("the controller's ClusterPolicyEndpoint has %s, which podfence's parser does not know", path)
-		}
-	}
-	for parent, names := range known {
-		for _, name := range names {
-			if !theirs[parent+"."+name] {
-				t.Errorf("podfence knows %s.%s, which the controller's ClusterPolicyEndpoint does not have", parent, name)
-			}
-		}
-	}
-	if len(theirs) < 15 {
-		t.Fatalf("only %d fields found in the controller's types: %v", len(theirs), theirs)
-	}
+	checkKnowsFields(t, "ClusterPolicyEndpoint", reflect.TypeOf(controller.ClusterPolicyEndpointSpec{}), known, "spec.subject")
 }
 
 // TestClusterControllerOutput parses the object the real controller

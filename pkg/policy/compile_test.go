@@ -311,18 +311,29 @@ func TestCompileMatchesAllows(t *testing.T) {
 // masked, unique and sorted prefixes, merged sorted ports within the limit.
 func checkEntries(t *testing.T, entries []Entry, is4 bool) {
 	t.Helper()
-	for i, e := range entries {
-		if e.Prefix.Addr().Is4() != is4 || e.Prefix != e.Prefix.Masked() {
-			t.Fatalf("entry %v: wrong family or not masked", e)
-		}
-		if i > 0 {
-			prev := entries[i-1].Prefix
-			if c := prev.Addr().Compare(e.Prefix.Addr()); c > 0 || c == 0 && prev.Bits() >= e.Prefix.Bits() {
-				t.Fatalf("entries %v, %v: not sorted or duplicate", prev, e.Prefix)
-			}
-		}
+	var prefixes []netip.Prefix
+	for _, e := range entries {
+		prefixes = append(prefixes, e.Prefix)
 		if len(e.Ports) > MaxPortRanges || !reflect.DeepEqual(mergePorts(e.Ports), e.Ports) {
 			t.Fatalf("entry %v: ports not merged", e)
+		}
+	}
+	checkPrefixes(t, prefixes, is4)
+}
+
+// checkPrefixes checks a trie's prefixes: right family, masked, unique and
+// sorted.
+func checkPrefixes(t *testing.T, prefixes []netip.Prefix, is4 bool) {
+	t.Helper()
+	for i, p := range prefixes {
+		if p.Addr().Is4() != is4 || p != p.Masked() {
+			t.Fatalf("prefix %v: wrong family or not masked", p)
+		}
+		if i > 0 {
+			prev := prefixes[i-1]
+			if c := prev.Addr().Compare(p.Addr()); c > 0 || c == 0 && prev.Bits() >= p.Bits() {
+				t.Fatalf("prefixes %v, %v: not sorted or duplicate", prev, p)
+			}
 		}
 	}
 }

@@ -795,28 +795,39 @@ func parseRule(o object) (r Rule, unknown []string, err error) {
 		}
 		r.Except = append(r.Except, e)
 	}
-	ports, err := o.list("ports")
+	ports, unknownPorts, err := parsePorts(o)
 	if err != nil {
 		return r, nil, err
 	}
-	for i, raw := range ports {
+	r.Ports = ports
+	return r, append(unknown, unknownPorts...), nil
+}
+
+// parsePorts reads o's ports; none is allPorts. unknown names the fields
+// of the ports that podfence does not know.
+func parsePorts(o object) (ports []PortRange, unknown []string, err error) {
+	list, err := o.list("ports")
+	if err != nil {
+		return nil, nil, err
+	}
+	for i, raw := range list {
 		p, err := newObject(o.src, fmt.Sprintf("%s[%d]", o.field("ports"), i), raw)
 		if err != nil {
-			return r, nil, err
+			return nil, nil, err
 		}
 		for _, k := range p.unknown(portFields) {
 			unknown = append(unknown, p.field(k))
 		}
 		pr, err := parsePort(p)
 		if err != nil {
-			return r, nil, err
+			return nil, nil, err
 		}
-		r.Ports = append(r.Ports, pr)
+		ports = append(ports, pr)
 	}
-	if len(r.Ports) == 0 {
-		r.Ports = []PortRange{allPorts}
+	if len(ports) == 0 {
+		ports = []PortRange{allPorts}
 	}
-	return r, unknown, nil
+	return ports, unknown, nil
 }
 
 // parsePrefix accepts a CIDR or a bare address (a host prefix). Host bits are
