@@ -11,12 +11,8 @@
 # A cold build takes about 30 minutes on a 2-core machine; later calls
 # return at once. Binaries are static and stripped: the tests only run them.
 #
-#   hack/k8s-tools.sh                    # build what is missing, print the directory
-#   hack/k8s-tools.sh etcd kube-apiserver # only these (what test/kubeapi starts)
-#   PODFENCE_CACHE=/some/dir ...         # cache somewhere else (default ~/.cache/podfence)
-#
-# make test asks for etcd and kube-apiserver first and builds the rest in the
-# background while the tests that need no node run.
+#   hack/k8s-tools.sh            # build what is missing, print the directory
+#   PODFENCE_CACHE=/some/dir ... # cache somewhere else (default ~/.cache/podfence)
 set -euo pipefail
 cd "$(dirname "$0")/k8s-tools"
 coredns_version=v1.15.0
@@ -24,19 +20,10 @@ controller=github.com/aws/amazon-network-policy-controller-k8s/cmd@v1.1.10
 # The script's comments are left out: rewording one rebuilds nothing.
 key=$( (cat go.mod go.sum pause/main.go; grep -v '^[[:space:]]*#' ../k8s-tools.sh) | sha256sum | cut -c1-16)
 dir=${PODFENCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence}/k8s-tools/$key
-all=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl pause agnhost e2e.test coredns network-policy-controller)
-want=("${@:-${all[@]}}")
-need() { # tool: true if it was asked for and is not built yet
-	local t
-	[[ ! -x $dir/$1 ]] || return 1
-	for t in "${want[@]}"; do [[ $t != "$1" ]] || return 0; done
-	return 1
-}
-for t in "${want[@]}"; do
-	[[ " ${all[*]} " == *" $t "* ]] || { echo "k8s-tools: no tool named $t (known: ${all[*]})" >&2; exit 2; }
-done
+tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl pause agnhost e2e.test coredns network-policy-controller)
+need() { [[ ! -x $dir/$1 ]]; } # tool: true if it is not built yet
 missing=0
-for t in "${want[@]}"; do [[ -x $dir/$t ]] || missing=1; done
+for t in "${tools[@]}"; do ! need "$t" || missing=1; done
 if [[ $missing == 0 ]]; then
 	echo "$dir"
 	exit 0
@@ -91,7 +78,7 @@ timed() { # name, function
 	echo "k8s-tools: $1 built in $((SECONDS - start)) s" >&2
 }
 
-echo "k8s-tools: building ${want[*]} into $dir (the whole set: about 30 minutes cold)" >&2
+echo "k8s-tools: building into $dir (cold: about 30 minutes)" >&2
 start=$SECONDS
 timed "Kubernetes' binaries, etcd, agnhost, e2e.test" kube
 timed coredns coredns
