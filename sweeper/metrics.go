@@ -34,6 +34,7 @@ type metrics struct {
 	mirrorSynced       prometheus.Gauge
 	mirrorObjects      prometheus.Gauge
 	mirrorInvalid      prometheus.Gauge
+	mirrorCluster      prometheus.Gauge
 	mirrorWrites       prometheus.Counter
 	mirrorErrors       prometheus.Counter
 }
@@ -83,6 +84,8 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 			Name: "podfence_policyendpoints_selected", Help: "PolicyEndpoints that select a pod on this node, at the last reconcile."}),
 		mirrorInvalid: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policyendpoints_invalid", Help: "PolicyEndpoints of this node that podfence cannot parse, at the last reconcile; each keeps its last good file."}),
+		mirrorCluster: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "podfence_clusterpolicyendpoints_selected", Help: "ClusterPolicyEndpoints that select a pod on this node, at the last reconcile: mirrored, not enforced by this build."}),
 		mirrorWrites: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "podfence_policyendpoint_file_writes_total", Help: "Policy files written or removed to follow the API."}),
 		mirrorErrors: prometheus.NewCounter(prometheus.CounterOpts{
@@ -91,7 +94,7 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 	reg.MustRegister(m.passDuration, m.passErrors, m.scanned, m.entries, m.fill, m.events, m.eventsLost,
 		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
 		m.documentsInvalid, m.rulesNotEnforced, m.programmingLatency,
-		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorWrites, m.mirrorErrors,
+		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorCluster, m.mirrorWrites, m.mirrorErrors,
 		&packetCollector{pinRoot: pinRoot})
 	// Every reason appears from the start, at 0.
 	for r := range liveness.DeletedDead + 1 {
@@ -153,6 +156,7 @@ func (m *metrics) mirror(rep policymirror.Report, err error) {
 	}
 	m.mirrorObjects.Set(float64(rep.Selected))
 	m.mirrorInvalid.Set(float64(rep.Invalid))
+	m.mirrorCluster.Set(float64(rep.ClusterSelected))
 }
 
 // registerDroppedEvents reports the deny events the datapath did not write

@@ -39,12 +39,29 @@ func newMirror(kubeconfig, policyDir string, m *metrics, log *slog.Logger) (*pol
 	if err != nil {
 		return nil, fmt.Errorf("--policy-source=kubernetes: %w", err)
 	}
+	cluster := 0 // ClusterPolicyEndpoints of this node at the last reconcile
 	return policymirror.New(client, policymirror.Options{
 		Dir:       policyDir,
 		NodeAddrs: nodeaddr.List,
 		Log:       log,
 		OnReconcile: func(rep policymirror.Report, err error) {
 			m.mirror(rep, err)
+			if err == nil && rep.ClusterSelected != cluster {
+				cluster = rep.ClusterSelected
+				logClusterPolicies(log, cluster)
+			}
 		},
 	})
+}
+
+// logClusterPolicies says, each time their number changes, that cluster
+// policies select pods here and are not enforced: an admin's Deny that a
+// node silently ignores is the failure this is written against.
+func logClusterPolicies(log *slog.Logger, n int) {
+	if n == 0 {
+		log.Info("no ClusterPolicyEndpoint selects a pod on this node any more")
+		return
+	}
+	log.Warn("ClusterPolicyEndpoints select pods on this node, and this build of podfence does not enforce them: their Admin and Baseline rules (Deny included) are not applied; they are mirrored into the policy directory's cluster/ for a later build",
+		"selected", n)
 }

@@ -62,6 +62,9 @@ func TestMirrorClusterServedAtStart(t *testing.T) {
 	f.createCluster(t, other)
 	f.create(t, pe("a", thisNode, "10.1.0.0/16", 80))
 	waitSynced(t, f.start(t))
+	if r := waitReport(t, f.reports); r.Objects != 1 || r.Selected != 1 || r.ClusterObjects != 2 || r.ClusterSelected != 1 {
+		t.Errorf("first report %+v, want 1 of 1 PolicyEndpoints and 1 of 2 ClusterPolicyEndpoints selected", r)
+	}
 
 	path := filepath.Join(f.dir, ClusterDir, ClusterFileName("no-imds"))
 	data, err := os.ReadFile(path)

@@ -96,6 +96,10 @@ type Options struct {
 type Report struct {
 	Objects  int // PolicyEndpoints in the informer's store
 	Selected int // of those, the ones that select a pod on this node
+	// ClusterObjects and ClusterSelected count ClusterPolicyEndpoints the
+	// same way. This build mirrors them but does not enforce them.
+	ClusterObjects, ClusterSelected int
+	// Written, Removed and Invalid count files and objects of both kinds.
 	Written  int // files written (new or changed)
 	Removed  int // files removed (object deleted, or no longer on this node)
 	Invalid  int // objects podfence cannot parse: their last good file stays
@@ -112,6 +116,9 @@ type Mirror struct {
 	kick    chan struct{}
 	changed chan struct{}
 	synced  chan struct{}
+	// forbiddenLogged: the API refused ClusterPolicyEndpoints (403) and
+	// the log said so; Run's goroutine alone reads and sets it.
+	forbiddenLogged bool
 }
 
 // kind is one resource the Mirror writes, each into a directory of its own.
@@ -258,7 +265,10 @@ func (m *Mirror) served(ctx context.Context, gvr schema.GroupVersionResource, na
 		case apierrors.IsNotFound(err):
 			return false, nil
 		case apierrors.IsForbidden(err):
-			m.opts.Log.Warn(name+"s are not readable: the sweeper's ClusterRole lacks them (an older manifest?); none are mirrored", "error", err)
+			if !m.forbiddenLogged { // once, not at every probe
+				m.opts.Log.Warn(name+"s are not readable: the sweeper's ClusterRole lacks them (an older manifest?); none are mirrored", "error", err)
+				m.forbiddenLogged = true
+			}
 			return false, nil
 		}
 		select {
@@ -367,23 +377,30 @@ func (m *Mirror) reconcile() (Report, error) {
 	}
 	var rep Report
 	var errs []error
-	for _, k := range m.kinds {
+	for i, k := range m.kinds {
 		if k.informer != nil && !k.informer.HasSynced() {
 			continue // being listed: what the directory holds stays
 		}
-		errs = append(errs, m.reconcileKind(k, addrs, &rep))
+		objects, selected, err := m.reconcileKind(k, addrs, &rep)
+		if i == 0 {
+			rep.Objects, rep.Selected = objects, selected
+		} else {
+			rep.ClusterObjects, rep.ClusterSelected = objects, selected
+		}
+		errs = append(errs, err)
 	}
 	rep.Duration = time.Since(start)
 	return rep, errors.Join(errs...)
 }
 
-// reconcileKind makes k's owned files what its store says, adding to rep.
-func (m *Mirror) reconcileKind(k *kind, addrs []netip.Addr, rep *Report) error {
+// reconcileKind makes k's owned files what its store says, adding what it
+// wrote, removed and found invalid to rep; objects and selected are its
+// store's size and the objects of this node.
+func (m *Mirror) reconcileKind(k *kind, addrs []netip.Addr, rep *Report) (objects, selected int, err error) {
 	var objs []any
 	if k.informer != nil {
 		objs = k.informer.GetStore().List()
 	}
-	rep.Objects += len(objs)
 	want := make(map[string][]byte, len(k.written))
 	seen := make(map[string]bool, len(k.rendered))
 	// A policy's chunks select pods independently of the rules they hold:
@@ -441,7 +458,6 @@ func (m *Mirror) reconcileKind(k *kind, addrs []netip.Addr, rep *Report) error {
 			delete(k.rendered, name)
 		}
 	}
-	rep.Selected += len(want)
 	var errs []error
 	for name, data := range want {
 		if old, ok := k.written[name]; ok && bytes.Equal(old, data) {
@@ -467,7 +483,7 @@ func (m *Mirror) reconcileKind(k *kind, addrs []netip.Addr, rep *Report) error {
 		delete(k.written, name)
 		rep.Removed++
 	}
-	return errors.Join(errs...)
+	return len(objs), len(want), errors.Join(errs...)
 }
 
 // FileName is the file of PolicyEndpoint namespace/name. Neither a namespace
