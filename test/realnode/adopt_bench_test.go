@@ -95,6 +95,7 @@ type sweeperLog struct {
 	Pod         string    `json:"pod"`
 	UnfencedFor string    `json:"unfenced_for"`
 	Adopted     int       `json:"adopted"`
+	Selected    int       `json:"selected"`
 }
 
 // sweeperLogs reads the DaemonSet sweeper's log.
