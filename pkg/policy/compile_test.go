@@ -225,26 +225,24 @@ func TestCompile(t *testing.T) {
 // lookup is what the datapath does with Compile's output: a longest-prefix
 // match in the family's trie, then a scan of the entry's port ranges.
 func lookup(v4, v6 []Entry, addr netip.Addr, proto uint8, port uint16) bool {
+	e, ok := longestMatch(v4, v6, addr, func(e Entry) netip.Prefix { return e.Prefix })
+	return ok && slices.ContainsFunc(e.Ports, func(r PortRange) bool { return r.Contains(proto, port) })
+}
+
+// longestMatch is an LPM trie lookup: of the family's entries, the one
+// with the longest prefix holding addr.
+func longestMatch[E any](v4, v6 []E, addr netip.Addr, prefix func(E) netip.Prefix) (best E, ok bool) {
 	addr = addr.Unmap()
 	entries := v6
 	if addr.Is4() {
 		entries = v4
 	}
-	best := -1
-	for i, e := range entries {
-		if e.Prefix.Contains(addr) && (best < 0 || e.Prefix.Bits() > entries[best].Prefix.Bits()) {
-			best = i
+	for _, e := range entries {
+		if p := prefix(e); p.Contains(addr) && (!ok || p.Bits() > prefix(best).Bits()) {
+			best, ok = e, true
 		}
 	}
-	if best < 0 {
-		return false
-	}
-	for _, r := range entries[best].Ports {
-		if r.Contains(proto, port) {
-			return true
-		}
-	}
-	return false
+	return best, ok
 }
 
 // TestCompileMatchesAllows checks Compile against Allows on random rule sets

@@ -116,21 +116,11 @@ func TestTierCompileLimits(t *testing.T) {
 // the longest prefix holding addr, then its slots in order until one's
 // ports hold the connection.
 func tierLookup(v4, v6 []TierEntry, addr netip.Addr, proto uint8, port uint16) (TierSlot, bool) {
-	addr = addr.Unmap()
-	entries := v6
-	if addr.Is4() {
-		entries = v4
-	}
-	best := -1
-	for i, e := range entries {
-		if e.Prefix.Contains(addr) && (best < 0 || e.Prefix.Bits() > entries[best].Prefix.Bits()) {
-			best = i
-		}
-	}
-	if best < 0 {
+	e, ok := longestMatch(v4, v6, addr, func(e TierEntry) netip.Prefix { return e.Prefix })
+	if !ok {
 		return TierSlot{}, false
 	}
-	for _, s := range entries[best].Slots {
+	for _, s := range e.Slots {
 		if slices.ContainsFunc(s.Ports, func(r PortRange) bool { return r.Contains(proto, port) }) {
 			return s, true
 		}
