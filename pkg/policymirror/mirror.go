@@ -316,7 +316,7 @@ func (m *Mirror) Run(ctx context.Context) error {
 			m.opts.OnReconcile(rep, err)
 		}
 		if err != nil {
-			m.opts.Log.Error("write PolicyEndpoints into the policy directory; retrying", "dir", m.opts.Dir, "error", err)
+			m.opts.Log.Error("write the mirrored policy objects into the policy directory; retrying", "dir", m.opts.Dir, "error", err)
 			retry.Reset(retryAfter)
 		} else if first {
 			if err := policy.MarkSynced(m.opts.Dir); err != nil {
