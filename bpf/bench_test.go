@@ -408,7 +408,7 @@ func (p *previousBuild) program(b *testing.B, set policy.Set) {
 	b.Helper()
 	st := podfenceIdState{}
 	if set.Egress.Isolated {
-		st.Isolated = 1 << policy.Egress
+		st.Enforced = enforcePolicy << policy.Egress
 	}
 	if err := p.coll.Maps[mapState].Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
 		b.Fatal(err)

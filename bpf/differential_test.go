@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
@@ -19,13 +20,19 @@ var (
 	protocols = []uint8{6, 17, 132, 1, 47}
 )
 
-// TestDifferential checks the programs against policy.DirectionPolicy.Allows,
-// the direct evaluation of NetworkPolicy semantics, and the source check,
-// over random rule sets and random packets. Every packet is a new flow (its source port is unique
+// TestDifferential checks the programs against policy.Decide, the direct
+// evaluation of the cluster tiers around NetworkPolicy, the node's
+// exemption on ingress, and the source check, over random rule sets and
+// random packets. Every packet is a new flow (its source port is unique
 // within a set, and the table is emptied before packets without ports), so
 // the verdict is the policy's alone.
 func TestDifferential(t *testing.T) {
 	h := newHarness(t)
+	// Inside the space randomAddr draws from, so that rules cover them.
+	nodes := []netip.Addr{netip.MustParseAddr("10.0.0.9"), netip.MustParseAddr("fd00::9")}
+	if err := h.id.global.SetNodeAddrs(nodes); err != nil {
+		t.Fatal(err)
+	}
 	seed := *diffSeed
 	if seed == 0 {
 		seed = uint64(time.Now().UnixNano())
@@ -34,6 +41,7 @@ func TestDifferential(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 
 	cases, mismatches := 0, 0
+	byLayer := map[string]int{} // what decided the cases: each must come up
 	for s := 0; s < *diffSets && mismatches < 10; s++ {
 		set := randomSet(rng)
 		h.flushCT(t)
@@ -41,6 +49,13 @@ func TestDifferential(t *testing.T) {
 		for p := 0; p < *diffPkts; p++ {
 			d := policy.Direction(rng.IntN(2))
 			pkt, remote, port := randomPacket(rng, uint16(p+1), d)
+			if d == policy.Ingress && rng.IntN(16) == 0 {
+				remote = nodes[0]
+				if pkt.Src.Is6() {
+					remote = nodes[1]
+				}
+				pkt.Src = remote
+			}
 			// One egress packet in eight is sent in another's name,
 			// which no policy allows (the harness's pod owns pod4
 			// and pod6).
@@ -55,7 +70,17 @@ func TestDifferential(t *testing.T) {
 				// that this one is new.
 				h.flushCT(t)
 			}
-			want := !spoofed && set.Direction(d).Allows(remote, pkt.Proto, port)
+			fromNode := d == policy.Ingress && slices.Contains(nodes, remote)
+			decision := policy.Decide(&set, &set.Cluster, d, remote, pkt.Proto, port)
+			want := !spoofed && (fromNode || decision.Allowed)
+			switch {
+			case spoofed:
+				byLayer["spoofed"]++
+			case fromNode:
+				byLayer["node"]++
+			default:
+				byLayer[fmt.Sprintf("%s %v", decision.Layer, decision.Allowed)]++
+			}
 			got := h.run(t, d, pkt.Marshal()) == VerdictAllow
 			cases++
 			if got != want {
@@ -65,14 +90,15 @@ func TestDifferential(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("%d cases, %d mismatches", cases, mismatches)
+	t.Logf("%d cases, %d mismatches; decided by %v", cases, mismatches, byLayer)
 	if cases < 20000 && !t.Failed() && *diffSets == 400 && *diffPkts == 60 {
 		t.Fatalf("only %d cases ran", cases)
 	}
 }
 
 func describe(set policy.Set) string {
-	return fmt.Sprintf("ingress %+v egress %+v", set.Ingress, set.Egress)
+	return fmt.Sprintf("mode %s selected %v ingress %+v egress %+v admin %+v baseline %+v",
+		set.Mode, set.Selected, set.Ingress, set.Egress, set.Cluster.Admin, set.Cluster.Baseline)
 }
 
 // Addresses cluster in a small space so that rules, excepts and packets overlap.
@@ -158,13 +184,54 @@ func randomRules(rng *rand.Rand) []policy.Rule {
 	return rs
 }
 
+// randomSet is what policy.ForIdentifier and ClusterForIdentifier could
+// make of some documents: a pod selected by PolicyEndpoints or not (then
+// isolated by strict mode alone, with no rules), and in half the sets
+// cluster rules of either tier.
 func randomSet(rng *rand.Rand) policy.Set {
-	set := policy.Set{Mode: policy.ModeStandard, Selected: true}
+	set := policy.Set{Mode: policy.ModeStandard, Selected: rng.IntN(5) != 0}
+	if rng.IntN(2) == 0 {
+		set.Mode = policy.ModeStrict
+	}
 	for _, d := range []*policy.DirectionPolicy{&set.Ingress, &set.Egress} {
-		d.Isolated = rng.IntN(5) != 0
-		d.Rules = randomRules(rng)
+		if set.Selected {
+			d.Isolated = rng.IntN(5) != 0
+			d.Rules = randomRules(rng)
+		} else {
+			d.Isolated = set.Mode == policy.ModeStrict
+		}
+	}
+	if rng.IntN(2) == 0 {
+		for d := range 2 {
+			set.Cluster.Admin[d] = randomTierRules(rng)
+			set.Cluster.Baseline[d] = randomTierRules(rng)
+		}
 	}
 	return set
+}
+
+// randomTierRules are up to four cluster rules in evaluation order, with
+// few priorities, so that ties between actions come up.
+func randomTierRules(rng *rand.Rand) policy.TierRules {
+	var rs policy.TierRules
+	for i := range rng.IntN(5) {
+		r := policy.ClusterRule{
+			CIDR:     randomPrefix(rng, rng.IntN(3) == 0, 0),
+			Action:   []policy.Action{policy.ActionDeny, policy.ActionAccept, policy.ActionPass}[rng.IntN(3)],
+			Priority: uint16(rng.IntN(3) * 10),
+			Index:    i,
+		}
+		if rng.IntN(4) == 0 {
+			r.Ports = []policy.PortRange{{Protocol: policy.ProtocolAny, First: 0, Last: 65535}}
+		} else {
+			for p := rng.IntN(3) + 1; p > 0; p-- {
+				r.Ports = append(r.Ports, randomPortRange(rng))
+			}
+		}
+		rs = append(rs, r)
+	}
+	slices.SortStableFunc(rs, policy.Before)
+	return rs
 }
 
 // randomPacket builds a new flow of direction d with a unique source port

@@ -16,8 +16,12 @@ type IdentifierInfo struct {
 	ID         podid.ID
 	Generation uint32
 	Mode       policy.Mode
-	// Isolated by policy.Direction: that direction is enforced.
-	Isolated        [2]bool
+	// Isolated by policy.Direction: the PolicyEndpoints isolate that
+	// direction, or strict mode's default denies it.
+	Isolated [2]bool
+	// Admin and Baseline by policy.Direction: cluster rules of that tier
+	// judge the direction's new flows.
+	Admin, Baseline [2]bool
 	Counters        Counters
 	Ingress, Egress ebpf.ProgramID
 	// Layout is what the identifier's layout marker records ("v1
@@ -77,7 +81,11 @@ func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
 	}
 	info.Generation = st.Generation
 	info.Mode = stateMode(st)
-	info.Isolated = [2]bool{st.Isolated&(1<<policy.Ingress) != 0, st.Isolated&(1<<policy.Egress) != 0}
+	for d := range 2 {
+		info.Isolated[d] = st.Enforced&((enforcePolicy|enforceDefaultDeny)<<d) != 0
+		info.Admin[d] = st.Enforced&(enforceAdmin<<d) != 0
+		info.Baseline[d] = st.Enforced&(enforceBaseline<<d) != 0
+	}
 	i := Identifier{ID: id, Counters: counters}
 	if info.Counters, err = i.ReadCounters(); err != nil {
 		return info, err

@@ -61,6 +61,9 @@ var (
 	policyVSize  = uint32(unsafe.Sizeof(podfencePolicyValue{}))
 	portSetSize  = uint32(unsafe.Sizeof(podfencePortSet{}))
 	sourcesSize  = uint32(unsafe.Sizeof(podfencePodSources{}))
+	tierKeySize  = uint32(unsafe.Sizeof(podfenceTierKey{}))
+	tierValSize  = uint32(unsafe.Sizeof(podfenceTierValue{}))
+	tierCapacity = uint32(4096)
 	trieCapacity = uint32(16384)
 	// A policy's port sets and its successor's, while one replaces the other.
 	portSetCapacity = uint32(2 * policy.MaxPortSets)
@@ -86,6 +89,10 @@ var layouts = map[string]mapLayout{
 	// the member records (lifecycle) before members move onto programs
 	// that read it.
 	mapSources: {ebpf.Hash, 4, sourcesSize, maxMembers, carryCopy, 1, nil},
+	// New in layout 3, likewise: a take-over of an earlier layout creates
+	// it empty, which is what that layout enforced (no cluster policy),
+	// and the next ApplyPolicy fills it.
+	mapTiers: {ebpf.LPMTrie, tierKeySize, tierValSize, tierCapacity, carryCopy, 1, nil},
 }
 
 // maxMembers is MAX_MEMBERS in maps.h: the members of one identifier on
@@ -95,8 +102,11 @@ const maxMembers = 1024
 // reasonsIn is how many reasons (enum reason) the datapath of a layout
 // counts: the counters of layout v are indexed direction*reasonsIn(v)+reason.
 func reasonsIn(layout uint32) uint32 {
-	if layout < 2 {
+	switch layout {
+	case 1:
 		return 11 // before REASON_SPOOFED
+	case 2:
+		return 12 // before the tiers' reasons
 	}
 	return uint32(NumReasons)
 }

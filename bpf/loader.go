@@ -94,6 +94,7 @@ const (
 	mapCounters    = pinpath.MapCounters
 	mapPortSets    = pinpath.MapPortSets
 	mapSources     = pinpath.MapSources
+	mapTiers       = pinpath.MapTiers
 
 	progIngress = "pod_ingress"
 	progEgress  = "pod_egress"
@@ -321,6 +322,8 @@ type Identifier struct {
 	PortSets *ebpf.Map
 	// Each member's source addresses, by host veth ifindex (sources.go).
 	Sources *ebpf.Map
+	// The cluster policy tiers of both directions and families (tiers.go).
+	Tiers *ebpf.Map
 }
 
 // OpenIdentifier returns the programs and maps of id, reusing its pins when
@@ -478,6 +481,7 @@ func (i *Identifier) mapFields() map[string]**ebpf.Map {
 		mapCounters:      &i.Counters,
 		mapPortSets:      &i.PortSets,
 		mapSources:       &i.Sources,
+		mapTiers:         &i.Tiers,
 		policyMaps[0][0]: &i.Policy[0][0],
 		policyMaps[0][1]: &i.Policy[0][1],
 		policyMaps[1][0]: &i.Policy[1][0],

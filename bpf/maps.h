@@ -23,6 +23,10 @@
 		__type(value, struct ct_value);                                                    \
 	} name SEC(".maps")
 
+// Entries of an identifier's tiers trie: the prefixes of its cluster rules
+// and the node's addresses.
+#define TIER_TRIE_ENTRIES 4096
+
 // A policy trie: one per identifier, direction and family.
 #define POLICY_TRIE(name, keytype)                                                                 \
 	struct {                                                                                   \

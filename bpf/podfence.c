@@ -8,7 +8,9 @@
 // Per packet: conntrack hit (forward or reversed tuple) with the current
 // policy generation allows; a stale generation re-checks the flow; an ICMP
 // error about a tracked flow is allowed as related; anything else is
-// evaluated against the policy tries and, when allowed, tracked.
+// judged by the layers the identifier's state enforces (the Admin tier,
+// NetworkPolicy's tries, the Baseline tier, strict mode's default; see
+// judge) and, when allowed, tracked.
 // Allow returns TC_ACT_UNSPEC (TCX_NEXT) so later TC programs still run.
 
 #include <linux/bpf.h>
@@ -85,6 +87,16 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } counters SEC(".maps");
+
+// The Admin and Baseline rules of both directions and families (struct
+// tier_key), and the node's addresses among the ingress ones.
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, TIER_TRIE_ENTRIES);
+	__type(key, struct tier_key);
+	__type(value, struct tier_value);
+} tiers SEC(".maps");
 
 POLICY_TRIE(pol_in_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
@@ -244,19 +256,128 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 	return POLICY_DENIED;
 }
 
-// policy_allows evaluates one direction's policy for a flow whose remote end
-// is addr (network order, 4 or 16 bytes) and whose destination port is port,
-// and returns a POLICY_* result.
-static __always_inline int policy_allows(int dir, const int family, __u8 isolated,
-					 const __u8 *addr, __u8 proto, __u16 port)
+// Selector bit of tier_lookup's sel, beside SEL_EGRESS, SEL_IPV6 and the
+// protocol and port.
+#define SEL_BASELINE (1u << 29)
+
+// port_set_holds reports whether the port set under key holds (proto,
+// port): a global function, so that the verifier walks its loop once and
+// not once per tier slot.
+__attribute__((noinline)) int port_set_holds(__u32 key, __u32 proto, __u32 port)
 {
-	if (!(isolated & (1 << dir)))
-		return POLICY_ALLOWED;
+	// ApplyPolicy writes a set before any entry names it and deletes it
+	// only after no program can still hold such an entry.
+	struct port_set *s = bpf_map_lookup_elem(&port_sets, &key);
+	if (!s)
+		return 0;
+	for (int i = 0; i < MAX_PORT_RANGES; i++) {
+		if (i >= s->count)
+			break;
+		if (range_matches(&s->ranges[i], proto, port))
+			return 1;
+	}
+	return 0;
+}
+
+// tier_lookup finds the tier entry of the address hi:lo in the tier and
+// direction sel selects, and returns the action (enum tier_action) of its
+// first slot whose ports hold the flow's. sel is packed as for
+// policy_lookup, with SEL_BASELINE for the Baseline tier.
+__attribute__((noinline)) int tier_lookup(__u64 addr_hi, __u64 addr_lo, __u32 sel)
+{
+	union addr_words a = {.w = {addr_hi, addr_lo}};
+	struct tier_key key = {
+		.prefixlen = 8 + ((sel & SEL_IPV6) ? 128 : 32),
+		.sel = ((sel & SEL_BASELINE) ? TIER_SEL_BASELINE : 0) | ((sel & SEL_EGRESS) ? TIER_SEL_EGRESS : 0) |
+		       ((sel & SEL_IPV6) ? TIER_SEL_IPV6 : 0),
+	};
+	__builtin_memcpy(key.addr, a.b, 16);
+	struct tier_value *v = bpf_map_lookup_elem(&tiers, &key);
+	if (!v)
+		return TIER_NO_MATCH;
+	if (v->flags & TIER_ENTRY_NODE)
+		return TIER_NODE;
+	__u32 proto = (sel >> SEL_PROTO_SHIFT) & 0xff;
+	__u32 port = sel & 0xffff;
+	for (int i = 0; i < MAX_TIER_SLOTS; i++) {
+		if (i >= v->count)
+			break;
+		struct tier_slot *s = &v->slots[i];
+		int holds = s->count == 1 ? range_matches(&s->range, proto, port)
+					  : s->count > 1 && port_set_holds(s->ports, proto, port);
+		if (holds)
+			return s->action;
+	}
+	return TIER_NO_MATCH;
+}
+
+// tier_reason is the reason a tier's action gives, or -1 when the tier
+// leaves the flow to the next layer (no slot matched, or Pass).
+static __always_inline int tier_reason(int action, int baseline)
+{
+	switch (action) {
+	case TIER_NODE:
+		return REASON_NODE;
+	case TIER_ACCEPT:
+		return baseline ? REASON_BASELINE_ACCEPT : REASON_ADMIN_ACCEPT;
+	case TIER_DENY:
+		return baseline ? REASON_BASELINE_DENY : REASON_ADMIN_DENY;
+	}
+	return -1;
+}
+
+// policy_reason is the reason of a policy_lookup result.
+static __always_inline int policy_reason(int result)
+{
+	switch (result) {
+	case POLICY_ALLOWED_NODE:
+		return REASON_NODE;
+	case POLICY_ALLOWED:
+		return REASON_POLICY_ALLOW;
+	}
+	return REASON_POLICY_DENY;
+}
+
+// judge decides a flow in direction dir whose remote end is addr (network
+// order, 4 or 16 bytes) and whose destination port is port, and returns the
+// reason (an allowing or a denying one; reason_denies tells which). In
+// order, each consulted only when enforced says so: the Admin tier (its
+// Accept or Deny decides), NetworkPolicy (decides when it isolates the
+// direction), the Baseline tier, strict mode's default deny. The node's
+// addresses have entries in each of the ingress tries, so whichever is
+// consulted first lets them through. A pod no cluster policy selects pays
+// only the test of the Admin bit.
+static __always_inline int judge(int dir, const int family, __u8 enforced, const __u8 *addr, __u8 proto,
+				 __u16 port)
+{
 	union addr_words a = {};
 	__builtin_memcpy(a.b, addr, family == 4 ? 4 : 16);
 	__u32 sel = (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0) |
 		    ((__u32)proto << SEL_PROTO_SHIFT) | port;
-	return policy_lookup(a.w[0], a.w[1], sel);
+	int r;
+	if (enforced & (ENFORCE_ADMIN << dir)) {
+		r = tier_reason(tier_lookup(a.w[0], a.w[1], sel), 0);
+		if (r >= 0)
+			return r;
+	}
+	if (enforced & (ENFORCE_POLICY << dir))
+		return policy_reason(policy_lookup(a.w[0], a.w[1], sel));
+	if (enforced & (ENFORCE_BASELINE << dir)) {
+		r = tier_reason(tier_lookup(a.w[0], a.w[1], sel | SEL_BASELINE), 1);
+		if (r >= 0)
+			return r;
+	}
+	// Strict mode's default for a pod no PolicyEndpoint selects: its
+	// policy tries hold the node's addresses and nothing else.
+	if (enforced & (ENFORCE_DEFAULT_DENY << dir))
+		return policy_reason(policy_lookup(a.w[0], a.w[1], sel));
+	return REASON_NOT_ISOLATED;
+}
+
+// reason_denies tells the reasons judge gives to a flow it drops.
+static __always_inline int reason_denies(int reason)
+{
+	return reason == REASON_POLICY_DENY || reason == REASON_ADMIN_DENY || reason == REASON_BASELINE_DENY;
 }
 
 // take_event_token returns this CPU's budget with a token taken for one
@@ -510,8 +631,8 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		return deny(skb, dir, f, REASON_SPOOFED, now);
 	}
 	asm volatile("" ::: "memory"); // after the generation (see above)
-	__u8 isolated = *(volatile __u8 *)&st->isolated;
-	if (!v && !(isolated & (1 << dir)))
+	__u8 enforced = *(volatile __u8 *)&st->enforced;
+	if (!v && !(enforced & (ENFORCE_ANY << dir)))
 		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
 
 	// Ports are judged on the opening packet's destination: the peer's
@@ -520,20 +641,20 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	__u16 pod_port = dir == DIR_EGRESS ? f->sport : f->dport;
 	__u16 peer_port = dir == DIR_EGRESS ? f->dport : f->sport;
 	__u16 dport = eval_dir == DIR_EGRESS ? peer_port : pod_port;
-	int allowed = policy_allows(eval_dir, family, isolated, peer, f->proto, dport);
+	int reason = REASON_NOT_ISOLATED;
+	if (enforced & (ENFORCE_ANY << eval_dir))
+		reason = judge(eval_dir, family, enforced, peer, f->proto, dport);
 
 	if (v) {
-		if (allowed)
+		if (!reason_denies(reason))
 			return allow_tracked(dir, v, gen,
 					     eval_dir == dir ? REASON_CT_ESTABLISHED : REASON_CT_REPLY, now);
 		bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_REVOKED, now);
 	}
-	if (allowed == POLICY_ALLOWED_NODE)
-		return allow_new(dir, family, &key, gen, CT_NODE, now, REASON_NODE);
-	if (allowed)
-		return allow_new(dir, family, &key, gen, 0, now, REASON_POLICY_ALLOW);
-	return deny(skb, dir, f, REASON_POLICY_DENY, now);
+	if (reason_denies(reason))
+		return deny(skb, dir, f, reason, now);
+	return allow_new(dir, family, &key, gen, reason == REASON_NODE ? CT_NODE : 0, now, reason);
 }
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)

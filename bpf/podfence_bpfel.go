@@ -91,7 +91,7 @@ type podfenceIdState struct {
 	_          structs.HostLayout
 	Generation uint32
 	Mode       uint8
-	Isolated   uint8
+	Enforced   uint8
 	Applying   uint8
 	Pad        uint8
 }
@@ -139,6 +139,32 @@ type podfencePortSet struct {
 	Ranges [64]podfencePortRange
 }
 
+type podfenceTierKey struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Sel       uint8
+	Addr      [16]uint8
+	Pad       [3]uint8
+}
+
+type podfenceTierSlot struct {
+	_        structs.HostLayout
+	Action   uint8
+	Count    uint8
+	Priority uint16
+	Ports    uint32
+	Range    podfencePortRange
+	Pad      uint16
+}
+
+type podfenceTierValue struct {
+	_     structs.HostLayout
+	Count uint8
+	Flags uint8
+	Pad   uint16
+	Slots [24]podfenceTierSlot
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -158,6 +184,7 @@ const (
 	podfenceMapSources       = "sources"
 	podfenceMapState         = "state"
 	podfenceMapTickClock     = "tick_clock"
+	podfenceMapTiers         = "tiers"
 	podfenceProgPodEgress    = "pod_egress"
 	podfenceProgPodIngress   = "pod_ingress"
 	podfenceVarCoarseClock   = "coarse_clock"
@@ -229,6 +256,7 @@ type podfenceMapSpecs struct {
 	Sources     *ebpf.MapSpec `ebpf:"sources"`
 	State       *ebpf.MapSpec `ebpf:"state"`
 	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
+	Tiers       *ebpf.MapSpec `ebpf:"tiers"`
 }
 
 // podfenceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -274,6 +302,7 @@ type podfenceMaps struct {
 	Sources     *ebpf.Map `ebpf:"sources"`
 	State       *ebpf.Map `ebpf:"state"`
 	TickClock   *ebpf.Map `ebpf:"tick_clock"`
+	Tiers       *ebpf.Map `ebpf:"tiers"`
 }
 
 func (m *podfenceMaps) Close() error {
@@ -293,6 +322,7 @@ func (m *podfenceMaps) Close() error {
 		m.Sources,
 		m.State,
 		m.TickClock,
+		m.Tiers,
 	)
 }
 

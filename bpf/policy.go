@@ -66,6 +66,11 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 			sets.reserve(have[d][f])
 		}
 	}
+	haveTiers, err := tierEntries(i)
+	if err != nil {
+		return fmt.Errorf("read cluster tiers of %q: %w", i.ID, err)
+	}
+	sets.reserveTiers(haveTiers)
 	if err := sets.removeUnnamed(i.PortSets); err != nil {
 		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
 	}
@@ -96,8 +101,18 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 			sets.use(desired[d][f])
 		}
 	}
+	bits := enforced(&set)
+	desiredTiers, err := sets.encodeTiers(&set, bits, nodes)
+	if err != nil {
+		return fmt.Errorf("encode cluster tiers of %q: %w", i.ID, err)
+	}
+	sets.useTiers(desiredTiers)
 	if err := fits(have, desired, sets); err != nil {
 		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
+	if n := len(haveTiers) + newKeys(haveTiers, desiredTiers); n > int(tierCapacity) {
+		return fmt.Errorf("apply policy of %q: cluster tiers: %d entries with those of the rules they replace, the trie holds %d: %w",
+			i.ID, n, tierCapacity, policy.ErrTooManyEntries)
 	}
 
 	want := st
@@ -105,21 +120,21 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 	if set.Mode == policy.ModeStrict {
 		want.Mode = stateModeStrict
 	}
-	want.Isolated = 0
-	if set.Ingress.Isolated {
-		want.Isolated |= 1 << policy.Ingress
-	}
-	if set.Egress.Isolated {
-		want.Isolated |= 1 << policy.Egress
-	}
+	want.Enforced = bits
 	want.Applying = 0
-	var diffs []trieDiff
+	var diffs []trieChange
 	for d := range desired {
 		for f := range desired[d] {
 			if df := diffTrie(i.Policy[d][f], have[d][f], desired[d][f]); !df.empty() {
 				diffs = append(diffs, df)
 			}
 		}
+	}
+	// The tiers trie changes after the policy tries: a change that moves
+	// a decision from one layer to another can, for the moment between
+	// the two, judge a new flow by the new policy tries and the old tiers.
+	if df := diffTrie(i.Tiers, haveTiers, desiredTiers); !df.empty() {
+		diffs = append(diffs, df)
 	}
 	// Every replica's ADD applies the identifier's policy; only a change
 	// makes the tracked flows of all replicas pay for a re-check.
@@ -132,6 +147,17 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
 	}
 	return nil
+}
+
+// newKeys counts the keys of want that have does not hold.
+func newKeys[V any](have map[string]V, want map[string]*V) int {
+	n := 0
+	for k := range want {
+		if _, ok := have[k]; !ok {
+			n++
+		}
+	}
+	return n
 }
 
 // fits checks, before anything changes, that the tries and the port sets
@@ -161,7 +187,7 @@ func fits(have [2][2]map[string]podfencePolicyValue, desired [2][2]map[string]*p
 
 // change takes the identifier from state st to want (mode and isolation)
 // with the tries changed by diffs, and bumps the generation.
-func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []trieDiff) error {
+func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []trieChange) error {
 	st.Applying = 1
 	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("write state: %w", err)
@@ -179,8 +205,8 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	// (below) one being closed is closed after its trie is filled: at no
 	// instant is a direction enforced against a trie that is neither the
 	// old policy's nor the new one's.
-	if opening := st; opening.Isolated&^want.Isolated != 0 {
-		opening.Isolated &= want.Isolated
+	if opening := st; opening.Enforced&^want.Enforced != 0 {
+		opening.Enforced = whileChanging(st.Enforced, want.Enforced)
 		if err := i.State.Update(uint32(0), &opening, ebpf.UpdateExist); err != nil {
 			return fmt.Errorf("write state: %w", err)
 		}
@@ -207,6 +233,22 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 		return fmt.Errorf("write state: %w", err)
 	}
 	return nil
+}
+
+// whileChanging is the enforced bits while the tries change from those of
+// old to those of want: the layers both consult, and strict mode's
+// NetworkPolicy-trie lookup when both have one (as ENFORCE_POLICY, or
+// ENFORCE_DEFAULT_DENY behind Baseline), so that a strict pod that gains or
+// loses Baseline rules or its first PolicyEndpoint is never open meanwhile.
+func whileChanging(old, want uint8) uint8 {
+	bits := old & want
+	const npTrie = enforcePolicy | enforceDefaultDeny
+	for d := range 2 {
+		if old&(npTrie<<d) != 0 && want&(npTrie<<d) != 0 {
+			bits |= old & (npTrie << d)
+		}
+	}
+	return bits
 }
 
 // stopAt is where a test makes change stop between two of its steps, as a

@@ -59,6 +59,15 @@ func (s *portSets) reserve(entries map[string]podfencePolicyValue) {
 	}
 }
 
+// reserveTiers is reserve for the tiers trie's entries.
+func (s *portSets) reserveTiers(entries map[string]podfenceTierValue) {
+	for _, v := range entries {
+		for _, k := range tierSets(&v) {
+			s.named[k] = true
+		}
+	}
+}
+
 // removeUnnamed deletes the sets that no entry of the tries names now, left
 // by an ApplyPolicy that stopped after writing them or before deleting
 // them. They would otherwise hold keys the new policy may need.
@@ -82,20 +91,30 @@ func (s *portSets) encode(entries []policy.Entry) (map[string]*podfencePolicyVal
 			fillRanges(v.Ranges[:], e.Ports)
 			continue
 		}
-		set := podfencePortSet{Count: uint16(len(e.Ports))}
-		fillRanges(set.Ranges[:], e.Ports)
-		key, ok := s.byValue[set]
-		if !ok {
-			var err error
-			if key, err = s.freeKey(); err != nil {
-				return nil, err
-			}
-			s.byKey[key], s.byValue[set] = set, key
-			s.added = append(s.added, key)
+		key, err := s.key(e.Ports)
+		if err != nil {
+			return nil, err
 		}
 		v.Ports = key
 	}
 	return out, nil
+}
+
+// key is the key of the set of ports, a new one under a free key when no
+// set has these ranges. ports holds at most MaxPortRanges ranges.
+func (s *portSets) key(ports []policy.PortRange) (uint32, error) {
+	set := podfencePortSet{Count: uint16(len(ports))}
+	fillRanges(set.Ranges[:], ports)
+	if key, ok := s.byValue[set]; ok {
+		return key, nil
+	}
+	key, err := s.freeKey()
+	if err != nil {
+		return 0, err
+	}
+	s.byKey[key], s.byValue[set] = set, key
+	s.added = append(s.added, key)
+	return key, nil
 }
 
 // fillRanges writes ports to dst, which has room for them.
@@ -124,6 +143,15 @@ func (s *portSets) use(desired map[string]*podfencePolicyValue) {
 	for _, v := range desired {
 		if namesSet(*v) {
 			s.used[v.Ports] = true
+		}
+	}
+}
+
+// useTiers is use for the tiers trie's desired entries.
+func (s *portSets) useTiers(desired map[string]*podfenceTierValue) {
+	for _, v := range desired {
+		for _, k := range tierSets(v) {
+			s.used[k] = true
 		}
 	}
 }

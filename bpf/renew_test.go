@@ -172,7 +172,7 @@ func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set poli
 	t.Helper()
 	return pinBuild(t, g, root, id, set, marker{version: LayoutVersion, object: "an-earlier-build"},
 		func(name string, ms *ebpf.MapSpec) bool {
-			if ms.Type == ebpf.LPMTrie {
+			if ms.Type == ebpf.LPMTrie && ms.KeySize != tierKeySize {
 				ms.MaxEntries = trieCapacity / 2
 			}
 			return true
@@ -476,8 +476,8 @@ func TestRenewLayout1(t *testing.T) {
 	}
 	for d := range 2 {
 		for r := range NumReasons {
-			want := uint64(0) // spoofed is new
-			if r != ReasonSpoofed {
+			want := uint64(0) // spoofed and the tiers' reasons are new
+			if r < Reason(reasonsIn(1)) {
 				want = uint64(d)*uint64(reasonsIn(1)) + uint64(r) + 1
 			}
 			if c[d][r] != want {

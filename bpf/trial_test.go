@@ -32,7 +32,7 @@ func TestTrialMatchesReference(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := set.Direction(d).Allows(remote, pkt.Proto, port)
+			want := policy.Decide(&set, &set.Cluster, d, remote, pkt.Proto, port).Allowed
 			if got := ret == VerdictAllow; got != want || reason.Verdict() != ret {
 				t.Errorf("seed %d set %d packet %d: %s %s->%s proto %d port %d: trial %#x (%s), reference allows=%v\npolicy: %s",
 					seed, s, p, d, pkt.Src, pkt.Dst, pkt.Proto, port, ret, reason, want, describe(set))

@@ -53,15 +53,22 @@ func stringKeys[K comparable, V any](entries map[K]V, err error, str func(K) str
 	return out, nil
 }
 
-// trieDiff is what turns a trie's entries into the desired ones.
-type trieDiff struct {
+// trieChange is a change to one trie that ApplyPolicy makes.
+type trieChange interface {
+	apply() error
+	empty() bool
+}
+
+// trieDiff is what turns a trie's entries, of value type V (a policy trie's
+// or the tiers trie's), into the desired ones.
+type trieDiff[V comparable] struct {
 	m      *ebpf.Map
-	update map[string]*podfencePolicyValue // new and changed entries
+	update map[string]*V // new and changed entries
 	remove []string
 }
 
-func diffTrie(m *ebpf.Map, have map[string]podfencePolicyValue, want map[string]*podfencePolicyValue) trieDiff {
-	d := trieDiff{m: m, update: map[string]*podfencePolicyValue{}}
+func diffTrie[V comparable](m *ebpf.Map, have map[string]V, want map[string]*V) trieDiff[V] {
+	d := trieDiff[V]{m: m, update: map[string]*V{}}
 	for k, v := range want {
 		if old, ok := have[k]; !ok || old != *v {
 			d.update[k] = v
@@ -75,7 +82,7 @@ func diffTrie(m *ebpf.Map, have map[string]podfencePolicyValue, want map[string]
 	return d
 }
 
-func (d trieDiff) empty() bool { return len(d.update) == 0 && len(d.remove) == 0 }
+func (d trieDiff[V]) empty() bool { return len(d.update) == 0 && len(d.remove) == 0 }
 
 // apply changes the trie so that every address is judged by its old entry
 // or its new one at each instant, never by an entry of neither policy:
@@ -84,7 +91,7 @@ func (d trieDiff) empty() bool { return len(d.update) == 0 && len(d.remove) == 0
 // new policy that contains it, goes in before any shorter one that would
 // otherwise take over from its old entry; its old entry, when no longer
 // wanted, goes only after the stale entries between it and the new one.)
-func (d trieDiff) apply() error {
+func (d trieDiff[V]) apply() error {
 	updates := slices.Collect(maps.Keys(d.update))
 	slices.SortFunc(updates, func(a, b string) int { return cmp.Compare(prefixLen(b), prefixLen(a)) })
 	for _, k := range updates {
@@ -101,7 +108,9 @@ func (d trieDiff) apply() error {
 	return nil
 }
 
-// prefixLen is the prefix length of a key as lpmKey encodes it.
+// prefixLen is the prefix length of a key as lpmKey and tierKey encode
+// it. Within one selector byte of the tiers trie, longer is longer, which
+// is all apply needs: an address is judged only by entries of its selector.
 func prefixLen(key string) uint32 {
 	return binary.LittleEndian.Uint32([]byte(key[:4]))
 }

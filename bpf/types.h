@@ -31,14 +31,33 @@ enum reason {
 	REASON_CT_RELATED = 9,     // ICMP error about a tracked flow (e.g. "packet too big")
 	REASON_ND = 10,            // IPv6 link control (neighbour discovery, MLD): passed like ARP
 	REASON_SPOOFED = 11,       // from the pod, with a source that is not the pod's: dropped
-	REASON_MAX = 12,
+	REASON_ADMIN_ACCEPT = 12,  // new flow an Admin tier rule accepts
+	REASON_ADMIN_DENY = 13,    // new flow an Admin tier rule denies
+	REASON_BASELINE_ACCEPT = 14, // new flow a Baseline tier rule accepts
+	REASON_BASELINE_DENY = 15,   // new flow a Baseline tier rule denies
+	REASON_MAX = 16,
 };
+
+// Bits of id_state.enforced: what judges a new flow in direction d, each
+// shifted left by d, and consulted in this order (see judge in podfence.c).
+// A direction with none of its bits set allows every new flow.
+enum enforced_bits {
+	ENFORCE_ADMIN = 1 << 2,        // Admin tier rules: the tiers trie
+	ENFORCE_POLICY = 1 << 0,       // NetworkPolicy isolates d: the pol_* tries decide
+	ENFORCE_BASELINE = 1 << 4,     // Baseline tier rules: the tiers trie
+	ENFORCE_DEFAULT_DENY = 1 << 6, // strict mode's default, behind Baseline: only the node passes
+};
+
+// Every bit of direction 0; shifted by d, every bit of d.
+#define ENFORCE_ANY (ENFORCE_ADMIN | ENFORCE_POLICY | ENFORCE_BASELINE | ENFORCE_DEFAULT_DENY)
 
 // State of one identifier (array map with one entry).
 struct id_state {
 	__u32 generation; // bumped by every policy change; stale conntrack entries are re-checked
-	__u8 mode;        // 0 standard, 1 strict (informational: isolation already encodes it)
-	__u8 isolated;    // bit (1 << direction) set: that direction is enforced
+	__u8 mode;        // 0 standard, 1 strict (informational: enforced already encodes it)
+	// enum enforced_bits, per direction. Bits 0 and 1 (ENFORCE_POLICY) were
+	// all there was before layout 3, with the same meaning.
+	__u8 enforced;
 	__u8 applying;    // set while ApplyPolicy changes the policy (the datapath ignores it)
 	__u8 pad;
 };
@@ -76,6 +95,60 @@ struct port_set {
 	__u16 count;
 	__u16 pad;
 	struct port_range ranges[MAX_PORT_RANGES];
+};
+
+// Cluster policy tiers: one trie per identifier holds the Admin and
+// Baseline rules of both directions and families, told apart by the key's
+// first byte, so that an identifier has one more map, not eight.
+enum tier_sel {
+	TIER_SEL_BASELINE = 1, // else Admin
+	TIER_SEL_EGRESS = 2,   // else ingress
+	TIER_SEL_IPV6 = 4,     // else IPv4 (4 address bytes, then zeros)
+};
+
+struct tier_key {
+	__u32 prefixlen; // 8 (sel) + the address prefix length
+	__u8 sel;        // enum tier_sel
+	__u8 addr[16];
+	__u8 pad[3]; // beyond every prefix: never compared
+};
+
+// What a tier slot does with a flow it matches (policy.Action, plus one).
+enum tier_action {
+	TIER_NO_MATCH = 0, // tier_lookup's answer when no slot matches
+	TIER_DENY = 1,
+	TIER_ACCEPT = 2,
+	TIER_PASS = 3, // the rest of the tier is skipped
+	TIER_NODE = 4, // tier_lookup's answer for an entry of the node's addresses
+};
+
+// Slots one tier entry holds: policy.MaxTierRules.
+#define MAX_TIER_SLOTS 24
+
+// One rule, or rules of one priority and action merged, of a tier entry.
+struct tier_slot {
+	__u8 action;    // enum tier_action
+	__u8 count;     // port ranges: 1 in range, more in the port set ports
+	__u16 priority; // for inspection only: the slots are already in order
+	__u32 ports;    // key in port_sets when count > 1
+	struct port_range range;
+	__u16 pad;
+};
+
+enum tier_flags {
+	TIER_ENTRY_NODE = 1, // the key is one of the node's addresses: allowed before any rule
+};
+
+// Value of a tiers entry: the slots, in evaluation order, of the rules
+// whose CIDR holds every address of the key's prefix. The first slot whose
+// ports hold the flow's decides, whatever the prefix length of its rule:
+// the compiler (policy.TierRules.Compile) has put every rule that covers
+// the prefix into it, so priority, not prefix length, orders them.
+struct tier_value {
+	__u8 count; // slots used
+	__u8 flags; // enum tier_flags
+	__u16 pad;
+	struct tier_slot slots[MAX_TIER_SLOTS];
 };
 
 struct lpm_key_v4 {

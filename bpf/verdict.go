@@ -17,25 +17,30 @@ const (
 type Reason uint8
 
 const (
-	ReasonCTEstablished Reason = iota // conntrack hit in the flow's own direction
-	ReasonCTReply                     // conntrack hit of the reversed tuple
-	ReasonPolicyAllow                 // new flow allowed by a rule
-	ReasonNotIsolated                 // new flow in a direction no policy isolates
-	ReasonNode                        // new flow from one of the node's addresses
-	ReasonNotIP                       // not IPv4/IPv6: passed
-	ReasonPolicyDeny                  // new flow no rule allows: dropped
-	ReasonRevoked                     // tracked flow the current policy no longer allows: dropped
-	ReasonMalformed                   // truncated or malformed IP packet: dropped
-	ReasonCTRelated                   // ICMP error about a tracked flow ("packet too big")
-	ReasonND                          // IPv6 link control (neighbour discovery, MLD): passed like ARP
-	ReasonSpoofed                     // from the pod with a source that is not its own: dropped
+	ReasonCTEstablished  Reason = iota // conntrack hit in the flow's own direction
+	ReasonCTReply                      // conntrack hit of the reversed tuple
+	ReasonPolicyAllow                  // new flow allowed by a rule
+	ReasonNotIsolated                  // new flow in a direction no policy isolates
+	ReasonNode                         // new flow from one of the node's addresses
+	ReasonNotIP                        // not IPv4/IPv6: passed
+	ReasonPolicyDeny                   // new flow no rule allows: dropped
+	ReasonRevoked                      // tracked flow the current policy no longer allows: dropped
+	ReasonMalformed                    // truncated or malformed IP packet: dropped
+	ReasonCTRelated                    // ICMP error about a tracked flow ("packet too big")
+	ReasonND                           // IPv6 link control (neighbour discovery, MLD): passed like ARP
+	ReasonSpoofed                      // from the pod with a source that is not its own: dropped
+	ReasonAdminAccept                  // new flow an Admin tier rule accepts
+	ReasonAdminDeny                    // new flow an Admin tier rule denies: dropped
+	ReasonBaselineAccept               // new flow a Baseline tier rule accepts
+	ReasonBaselineDeny                 // new flow a Baseline tier rule denies: dropped
 	NumReasons
 )
 
 var reasonNames = [NumReasons]string{
 	"ct-established", "ct-reply", "policy-allow", "not-isolated", "node",
 	"not-ip", "policy-deny", "revoked", "malformed", "ct-related",
-	"neighbor-discovery", "spoofed",
+	"neighbor-discovery", "spoofed", "admin-accept", "admin-deny",
+	"baseline-accept", "baseline-deny",
 }
 
 func (r Reason) String() string {
@@ -48,7 +53,7 @@ func (r Reason) String() string {
 // Verdict is the verdict the programs give for r.
 func (r Reason) Verdict() uint32 {
 	switch r {
-	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed, ReasonSpoofed:
+	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed, ReasonSpoofed, ReasonAdminDeny, ReasonBaselineDeny:
 		return VerdictDrop
 	}
 	return VerdictAllow

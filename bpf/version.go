@@ -26,7 +26,7 @@ import (
 // testdata/layout-v<N>.txt. A map whose entries change format or meaning
 // also gets the new version as its since, which tells a later build that
 // its entries cannot be copied from pins of an earlier layout.
-const LayoutVersion = 2
+const LayoutVersion = 3
 
 // ErrNewerLayout is wrapped when the pins were made by a build of a later
 // layout than this one. podfence never downgrades pins: this build cannot

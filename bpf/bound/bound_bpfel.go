@@ -53,7 +53,7 @@ type boundIdState struct {
 	_          structs.HostLayout
 	Generation uint32
 	Mode       uint8
-	Isolated   uint8
+	Enforced   uint8
 	Applying   uint8
 	Pad        uint8
 }

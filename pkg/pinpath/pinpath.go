@@ -80,6 +80,7 @@ const (
 	MapPolEgV4  = "pol_eg_v4"
 	MapPolEgV6  = "pol_eg_v6"
 	MapSources  = "sources"
+	MapTiers    = "tiers"
 )
 
 // GlobalMaps are the map pins in GlobalDir.
@@ -90,7 +91,7 @@ func GlobalMaps() []string {
 // IdentifierMaps are the map pins of an identifier's directory, beside its
 // two program pins and MembersDir.
 func IdentifierMaps() []string {
-	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6, MapSources}
+	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6, MapSources, MapTiers}
 }
 
 // Root is a pin root: a directory on bpffs that podfence owns.

@@ -60,6 +60,9 @@ type Set struct {
 	// Problems are what the selecting documents say that is not enforced
 	// as written (Document.Report), for logs.
 	Problems []string
+	// Cluster is what ClusterPolicyEndpoints say about the identifier: the
+	// tiers around the PolicyEndpoints' rules (see Decide).
+	Cluster Cluster
 }
 
 // Check compiles both directions as the datapath will, so that a policy it
@@ -84,6 +87,27 @@ func (s *Set) Check() error {
 				lists[fmt.Sprint(e.Ports)] = true
 			}
 		}
+	}
+	tierEntries := 0
+	for _, tier := range []*[2]TierRules{&s.Cluster.Admin, &s.Cluster.Baseline} {
+		for d, rules := range tier {
+			v4, v6, err := rules.Compile()
+			if err != nil {
+				return fmt.Errorf("%s cluster rules of %v: %w", Direction(d), s.Cluster.Sources, err)
+			}
+			tierEntries += len(v4) + len(v6)
+			for _, e := range append(v4, v6...) {
+				for _, slot := range e.Slots {
+					if len(slot.Ports) > 1 {
+						lists[fmt.Sprint(slot.Ports)] = true
+					}
+				}
+			}
+		}
+	}
+	if tierEntries > MaxTierEntries {
+		return fmt.Errorf("cluster rules of %v: %d prefixes, at most %d: %w",
+			s.Cluster.Sources, tierEntries, MaxTierEntries, ErrTooManyEntries)
 	}
 	if len(lists) > MaxPortSets {
 		return fmt.Errorf("rules of %v: %d distinct lists of more than %d port ranges, at most %d: %w",

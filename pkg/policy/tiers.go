@@ -14,6 +14,12 @@ import (
 // ErrTooManyTierRules; the upstream agent drops what does not fit.
 const MaxTierRules = 24
 
+// MaxTierEntries is how many prefixes the cluster rules of one identifier
+// may compile to, both tiers, directions and families together: the
+// datapath's tiers trie holds twice as many, so that the rules and those
+// they replace fit at once, and 256 node addresses per ingress tier.
+const MaxTierEntries = 1792
+
 // TierRules are the rules of one tier in one direction of one identifier:
 // those of every cluster document of the tier that selects it, in
 // evaluation order (see Before).

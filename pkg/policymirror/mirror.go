@@ -68,8 +68,8 @@ const (
 )
 
 // ClusterDir is the subdirectory of the policy directory that holds the
-// mirrored ClusterPolicyEndpoints.
-const ClusterDir = "cluster"
+// mirrored ClusterPolicyEndpoints, where policy.LoadCluster reads them.
+const ClusterDir = policy.ClusterDir
 
 // probeEvery is how often a Mirror asks again whether the API serves
 // ClusterPolicyEndpoints, while it does not.
