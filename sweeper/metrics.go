@@ -85,7 +85,7 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 		mirrorInvalid: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "podfence_policyendpoints_invalid", Help: "PolicyEndpoints of this node that podfence cannot parse, at the last reconcile; each keeps its last good file."}),
 		mirrorCluster: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "podfence_clusterpolicyendpoints_selected", Help: "ClusterPolicyEndpoints that select a pod on this node, at the last reconcile: mirrored, not enforced by this build."}),
+			Name: "podfence_clusterpolicyendpoints_selected", Help: "ClusterPolicyEndpoints that select a pod on this node, at the last reconcile: mirrored into cluster/ and enforced."}),
 		mirrorWrites: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "podfence_policyendpoint_file_writes_total", Help: "Policy files written or removed to follow the API."}),
 		mirrorErrors: prometheus.NewCounter(prometheus.CounterOpts{

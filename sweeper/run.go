@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -259,14 +260,25 @@ func (r *runner) loop(ctx context.Context) error {
 
 	// Policy changes are programmed as they settle; the directory is read
 	// once now, for changes made while no sweeper ran.
-	if err := os.MkdirAll(r.policyDir, 0o755); err != nil {
-		return fmt.Errorf("policy directory: %w", err)
+	// The cluster policies' subdirectory is watched on its own: inotify
+	// follows one directory.
+	clusterDir := filepath.Join(r.policyDir, policy.ClusterDir)
+	watch := func(dir string) (*policywatch.Watcher, error) {
+		if err := os.MkdirAll(dir, 0o755); err != nil { // removed: no documents
+			return nil, fmt.Errorf("policy directory: %w", err)
+		}
+		return policywatch.New(dir, 0)
 	}
-	pw, err := policywatch.New(r.policyDir, 0)
+	pw, err := watch(r.policyDir)
 	if err != nil {
 		return err
 	}
 	defer func() { pw.Close() }()
+	cw, err := watch(clusterDir)
+	if err != nil {
+		return err
+	}
+	defer func() { cw.Close() }()
 	r.applyPolicies("start")
 
 	// The mirror writes into the directory pw follows, and also says when
@@ -301,6 +313,9 @@ func (r *runner) loop(ctx context.Context) error {
 			// directory it has programmed).
 			r.applyPolicies("policy files changed")
 			continue
+		case <-cw.C:
+			r.applyPolicies("cluster policy files changed")
+			continue
 		case <-mirrored:
 			select {
 			case <-r.mirror.Synced():
@@ -312,13 +327,22 @@ func (r *runner) loop(ctx context.Context) error {
 		case <-pw.Failed:
 			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
 			pw.Close()
-			if err := os.MkdirAll(r.policyDir, 0o755); err != nil { // removed: no documents
-				return fmt.Errorf("policy directory: %w", err)
+			cw.Close() // its directory may have gone with it
+			if pw, err = watch(r.policyDir); err != nil {
+				return err
 			}
-			if pw, err = policywatch.New(r.policyDir, 0); err != nil {
+			if cw, err = watch(clusterDir); err != nil {
 				return err
 			}
 			r.applyPolicies("policy directory watched again")
+			continue
+		case <-cw.Failed:
+			r.log.Error("following the cluster policy directory stopped; watching it again", "error", cw.Err())
+			cw.Close()
+			if cw, err = watch(clusterDir); err != nil {
+				return err
+			}
+			r.applyPolicies("cluster policy directory watched again")
 			continue
 		case <-r.wake:
 		case <-timer.C:

@@ -54,14 +54,14 @@ func newMirror(kubeconfig, policyDir string, m *metrics, log *slog.Logger) (*pol
 	})
 }
 
-// logClusterPolicies says, each time their number changes, that cluster
-// policies select pods here and are not enforced: an admin's Deny that a
-// node silently ignores is the failure this is written against.
+// logClusterPolicies says, each time their number changes, how many
+// cluster policies select pods here: an operator reading the log sees that
+// the node follows the admin's tiers, and when they stop applying.
 func logClusterPolicies(log *slog.Logger, n int) {
 	if n == 0 {
 		log.Info("no ClusterPolicyEndpoint selects a pod on this node any more")
 		return
 	}
-	log.Warn("ClusterPolicyEndpoints select pods on this node, and this build of podfence does not enforce them: their Admin and Baseline rules (Deny included) are not applied; they are mirrored into the policy directory's cluster/ for a later build",
+	log.Info("ClusterPolicyEndpoints select pods on this node: their Admin and Baseline rules are enforced from the policy directory's cluster/",
 		"selected", n)
 }

@@ -1,11 +1,14 @@
 package policy
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/podfence/podfence/pkg/podid"
 )
 
 // ClusterDir is the subdirectory of a policy directory that holds
@@ -14,13 +17,20 @@ import (
 // reads one (after a rollback, say).
 const ClusterDir = "cluster"
 
-// LoadCluster parses every document file directly in policyDir's
-// ClusterDir, in name order; a missing ClusterDir holds none. Unlike
-// LoadDir there is no salvage: a file that does not parse is an error
-// naming it, since what it would have denied cannot be known, and
-// enforcing the others alone could be more open than the objects.
-func LoadCluster(policyDir string) ([]ClusterDocument, error) {
-	dir := filepath.Join(policyDir, ClusterDir)
+// ClusterFile is one ClusterPolicyEndpoint file of a Dir.
+type ClusterFile struct {
+	Name string
+	Data []byte
+	Docs []ClusterDocument
+}
+
+// readCluster reads the document files directly in dir (a policy
+// directory's ClusterDir), in name order; a missing dir holds none. Unlike
+// PolicyEndpoints there is no salvage and no last good copy: a file that
+// does not parse is an error naming it, since what it would deny cannot be
+// known and enforcing the others alone could be more open than the
+// objects.
+func readCluster(dir string) ([]ClusterFile, error) {
 	entries, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -28,7 +38,7 @@ func LoadCluster(policyDir string) ([]ClusterDocument, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read cluster policy dir: %w", err)
 	}
-	var docs []ClusterDocument
+	var files []ClusterFile
 	for _, e := range entries {
 		if !IsDocumentFile(e.Name()) {
 			continue
@@ -41,16 +51,32 @@ func LoadCluster(policyDir string) ([]ClusterDocument, error) {
 		if !fi.Mode().IsRegular() {
 			continue
 		}
-		f, err := os.Open(path)
+		data, err := os.ReadFile(path)
 		if err != nil {
 			return nil, fmt.Errorf("read cluster policy file: %w", err)
 		}
-		d, err := ParseCluster(f, path)
-		f.Close()
+		docs, err := ParseCluster(bytes.NewReader(data), path)
 		if err != nil {
 			return nil, err
 		}
-		docs = append(docs, d...)
+		files = append(files, ClusterFile{Name: e.Name(), Data: data, Docs: docs})
 	}
-	return docs, nil
+	return files, nil
+}
+
+// ClusterDocuments are the ClusterPolicyEndpoints of every cluster file,
+// in order.
+func (d *Dir) ClusterDocuments() []ClusterDocument {
+	var out []ClusterDocument
+	for _, f := range d.Cluster {
+		out = append(out, f.Docs...)
+	}
+	return out
+}
+
+// WithCluster returns s with what the cluster documents say about id.
+func (s Set) WithCluster(docs []ClusterDocument, id podid.ID) Set {
+	s.Cluster = ClusterForIdentifier(docs, id)
+	s.Problems = append(s.Problems, s.Cluster.Problems...)
+	return s
 }

@@ -219,6 +219,8 @@ func LoadDir(dir string) ([]Document, error) {
 type Dir struct {
 	Path  string
 	Files []File
+	// Cluster are the files of its ClusterDir.
+	Cluster []ClusterFile
 }
 
 // File is one document file of a Dir: its content and documents.
@@ -250,6 +252,10 @@ func (d *Dir) Digest() Digest {
 		field(f.Data)
 		field(f.LastGood)
 	}
+	for _, f := range d.Cluster {
+		field([]byte(ClusterDir + "/" + f.Name))
+		field(f.Data)
+	}
 	var out Digest
 	h.Sum(out[:0])
 	return out
@@ -260,7 +266,9 @@ func (d *Dir) Digest() Digest {
 // LoadDir and the directory watcher skip it.
 const lastGoodDir = ".podfence-last-good"
 
-// ReadDir reads every document file directly in dir, in name order.
+// ReadDir reads every document file directly in dir, in name order, and
+// those of its ClusterDir (see readCluster: one that does not parse fails
+// the read).
 // Hidden files are skipped, and so is anything that is not a regular file
 // after following symlinks (a ConfigMap volume links its keys through
 // "..data"). A missing dir holds no documents. A document that does not
@@ -298,6 +306,9 @@ func ReadDir(dir string) (*Dir, error) {
 			f.Docs, f.LastGood = withLastGood(f.Docs, filepath.Join(dir, lastGoodDir, name))
 		}
 		d.Files = append(d.Files, f)
+	}
+	if d.Cluster, err = readCluster(filepath.Join(dir, ClusterDir)); err != nil {
+		return nil, err
 	}
 	return d, nil
 }

@@ -97,7 +97,7 @@ type Report struct {
 	Objects  int // PolicyEndpoints in the informer's store
 	Selected int // of those, the ones that select a pod on this node
 	// ClusterObjects and ClusterSelected count ClusterPolicyEndpoints the
-	// same way. This build mirrors them but does not enforce them.
+	// same way.
 	ClusterObjects, ClusterSelected int
 	// Written, Removed and Invalid count files and objects of both kinds.
 	Written  int // files written (new or changed)

@@ -74,7 +74,12 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Dig
 		return a, nil
 	}
 	a.KeepErr = dir.KeepLastGood()
-	docs := dir.Documents()
+	docs, cluster := dir.Documents(), dir.ClusterDocuments()
+	for _, d := range cluster {
+		for _, n := range d.Notes {
+			a.Problems = append(a.Problems, fmt.Sprintf("%s %s: %s", d.Source, n.Field, n.What))
+		}
+	}
 	a.Documents = len(docs)
 	for _, d := range docs {
 		if d.Broken != nil {
@@ -123,7 +128,7 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Dig
 			if err != nil {
 				return err
 			}
-			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, mode)); err != nil {
+			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, mode).WithCluster(cluster, id)); err != nil {
 				return err
 			}
 			n++

@@ -199,10 +199,11 @@ func checkSources(conf *PluginConf, prev *current.Result) error {
 // readPolicy is what policyDir says for id. ADD checks it with Set.Check
 // before it changes anything; ApplyPolicy compiles it again when it writes.
 func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
-	docs, err := policy.LoadDir(conf.PolicyDir)
+	dir, err := policy.ReadDir(conf.PolicyDir)
 	if err != nil {
 		return policy.Set{}, policyError(conf, err)
 	}
+	docs, cluster := dir.Documents(), dir.ClusterDocuments()
 	// After a restart the sweeper's mirror has not confirmed these files
 	// with the API yet: a strict pod opens nothing on their word (the
 	// sweeper programs it at the first sync); a standard pod gets the last
@@ -214,16 +215,16 @@ func readPolicy(conf *PluginConf, id podid.ID) (policy.Set, error) {
 			return policy.Set{}, policyError(conf, err)
 		}
 		if !synced {
-			docs = nil
+			docs, cluster = nil, nil
 		}
 	}
-	return policy.ForIdentifier(docs, id, conf.mode), nil
+	return policy.ForIdentifier(docs, id, conf.mode).WithCluster(cluster, id), nil
 }
 
 // isCapacityError tells a policy the datapath cannot hold.
 func isCapacityError(err error) bool {
 	return errors.Is(err, policy.ErrTooManyPortRanges) || errors.Is(err, policy.ErrTooManyEntries) ||
-		errors.Is(err, policy.ErrTooManyPortSets)
+		errors.Is(err, policy.ErrTooManyPortSets) || errors.Is(err, policy.ErrTooManyTierRules)
 }
 
 // policyError is a document that cannot be read, or a policy the datapath
