@@ -1,0 +1,181 @@
+package e2e
+
+import (
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/netnsutil"
+)
+
+// clusterDoc is a ClusterPolicyEndpoint as the controller writes one
+// (testdata/controller in pkg/policy), selecting pods of namespace default.
+type clusterDoc struct {
+	name     string
+	tier     string // Admin or Baseline
+	priority int
+	pods     []*pod
+	ingress  []clusterRule
+}
+
+// clusterRule is one ingress rule: action on cidr, TCP port (0: every port).
+type clusterRule struct {
+	action string
+	cidr   string
+	port   uint16
+}
+
+func (d clusterDoc) String() string {
+	var eps, in []map[string]any
+	for _, p := range d.pods {
+		eps = append(eps, map[string]any{"name": p.name, "namespace": "default", "podIP": p.ip.String()})
+	}
+	for _, r := range d.ingress {
+		rule := map[string]any{"action": r.action, "cidr": r.cidr}
+		if r.port != 0 {
+			rule["ports"] = []any{map[string]any{"protocol": "TCP", "port": r.port}}
+		}
+		in = append(in, rule)
+	}
+	b, err := json.Marshal(map[string]any{
+		"apiVersion": "networking.k8s.aws/v1alpha1",
+		"kind":       "ClusterPolicyEndpoint",
+		"metadata":   map[string]any{"name": d.name + "-abcde"},
+		"spec": map[string]any{
+			"policyRef": map[string]any{"name": d.name}, "tier": d.tier, "priority": d.priority,
+			"subject": map[string]any{"namespaces": map[string]any{}}, "podSelectorEndpoints": eps, "ingress": in,
+		},
+	})
+	if err != nil {
+		panic(err)
+	}
+	return string(b)
+}
+
+// writeCluster puts a ClusterPolicyEndpoint into the policy directory's
+// cluster/ as the sweeper's mirror does: a temporary file renamed into place.
+func (c *cluster) writeCluster(t *testing.T, d clusterDoc) {
+	t.Helper()
+	dir := filepath.Join(c.policyDir, policy.ClusterDir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(dir, "."+d.name+".tmp")
+	if err := os.WriteFile(tmp, []byte(d.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, "cpe_"+d.name+".json")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (c *cluster) removeCluster(t *testing.T, name string) {
+	t.Helper()
+	if err := os.Remove(filepath.Join(c.policyDir, policy.ClusterDir, "cpe_"+name+".json")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func host(p *pod) string { return netip.PrefixFrom(p.ip, p.ip.BitLen()).String() }
+
+// TestClusterTiers: with the sweeper running, ClusterPolicyEndpoint files
+// change traffic as the tiers' semantics say (policy.Decide): an Admin
+// Deny over a NetworkPolicy allow cuts the established connection it
+// revokes; an Admin Pass of higher priority hands the client back to the
+// NetworkPolicy; an Admin Accept lets in whom the NetworkPolicy denies; a
+// Baseline deny-all is not consulted for a pod a NetworkPolicy isolates,
+// denies a pod none does, and lets the node's own addresses through
+// (kubelet probes), and a Baseline Accept of higher priority opens one
+// client. Each change bumps the generation, and the verdicts are counted
+// under the tier's reasons.
+func TestClusterTiers(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client, intruder, web := c.guardedWeb(t)
+	other := c.addPod("other", "default")
+	echoServer(t, other.netns, backendPort)
+	webIdent, otherID := podid.ID(webID), podid.ID("other@default")
+	conn, err := dialFrom(client.netns, netip.AddrPortFrom(web.ip, backendPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if err := conn.roundTrip("before"); err != nil {
+		t.Fatal(err)
+	}
+	c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	c.waitHealthy(t)
+
+	// Admin Deny over the NetworkPolicy's allow: the connection is cut.
+	gen, changed := c.generation(t, webIdent), time.Now()
+	c.writeCluster(t, clusterDoc{name: "guard", tier: "Admin", priority: 10, pods: []*pod{web},
+		ingress: []clusterRule{{"Deny", host(client), backendPort}}})
+	t.Logf("admin deny programmed %v after the write", c.waitGeneration(t, webIdent, gen, changed))
+	if err := conn.roundTrip("after the admin deny"); err == nil {
+		t.Fatal("the connection an Admin Deny revokes still carries data")
+	}
+	if c.connects(client, web, backendPort) {
+		t.Fatal("the client connects through an Admin Deny")
+	}
+	if n := c.counters(t, webIdent)[policy.Ingress][bpf.ReasonAdminDeny]; n == 0 {
+		t.Error("no ingress packet counted as admin-deny")
+	}
+
+	// A Pass of higher priority: the NetworkPolicy decides again.
+	gen, changed = c.generation(t, webIdent), time.Now()
+	c.writeCluster(t, clusterDoc{name: "guard", tier: "Admin", priority: 5, pods: []*pod{web},
+		ingress: []clusterRule{{"Pass", host(client), 0}}})
+	c.writeCluster(t, clusterDoc{name: "guard-deny", tier: "Admin", priority: 10, pods: []*pod{web},
+		ingress: []clusterRule{{"Deny", host(client), backendPort}}})
+	c.waitGeneration(t, webIdent, gen, changed)
+	waitConnects(t, client, web, backendPort, true, changed, 2*time.Second)
+	if c.connects(intruder, web, backendPort) {
+		t.Error("the intruder connects: the NetworkPolicy denies it and no Admin rule accepts it")
+	}
+
+	// An Admin Accept over the NetworkPolicy's deny.
+	changed = time.Now()
+	c.writeCluster(t, clusterDoc{name: "let-in", tier: "Admin", priority: 1, pods: []*pod{web},
+		ingress: []clusterRule{{"Accept", host(intruder), 0}}})
+	waitConnects(t, intruder, web, backendPort, true, changed, 2*time.Second)
+	if n := c.counters(t, webIdent)[policy.Ingress][bpf.ReasonAdminAccept]; n == 0 {
+		t.Error("no ingress packet counted as admin-accept")
+	}
+	for _, name := range []string{"guard", "guard-deny", "let-in"} {
+		c.removeCluster(t, name)
+	}
+
+	// Baseline deny-all: web is isolated by its NetworkPolicy, other by
+	// nothing but the Baseline.
+	gen, changed = c.generation(t, otherID), time.Now()
+	c.writeCluster(t, clusterDoc{name: "baseline", tier: "Baseline", priority: 10, pods: []*pod{web, other},
+		ingress: []clusterRule{{"Deny", "0.0.0.0/0", 0}}})
+	c.waitGeneration(t, otherID, gen, changed)
+	waitConnects(t, intruder, web, backendPort, false, changed, 2*time.Second)
+	if !c.connects(client, web, backendPort) {
+		t.Error("a Baseline Deny overrode the NetworkPolicy that isolates web")
+	}
+	if c.connects(client, other, backendPort) {
+		t.Error("the client reaches other through a Baseline deny-all")
+	}
+	if !netnsutil.Connects(t, c.node, netip.AddrPortFrom(other.ip, backendPort), 300*time.Millisecond, 3) {
+		t.Error("the node cannot reach other under a Baseline deny-all: kubelet probes would fail")
+	}
+	if n := c.counters(t, otherID)[policy.Ingress][bpf.ReasonBaselineDeny]; n == 0 {
+		t.Error("no ingress packet of other counted as baseline-deny")
+	}
+
+	// A Baseline Accept of higher priority opens the client alone.
+	changed = time.Now()
+	c.writeCluster(t, clusterDoc{name: "baseline-client", tier: "Baseline", priority: 5, pods: []*pod{other},
+		ingress: []clusterRule{{"Accept", host(client), backendPort}}})
+	waitConnects(t, client, other, backendPort, true, changed, 2*time.Second)
+	if c.connects(intruder, other, backendPort) {
+		t.Error("the intruder reaches other: only the client's Baseline Accept should open it")
+	}
+}
