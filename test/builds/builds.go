@@ -75,12 +75,14 @@ func NextLayout(t testing.TB) string {
 	return out
 }
 
-// previousBuild is the last commit of layout 1, the build before the
-// source check: the build every node ran until this layout.
+// PreviousBuild is the last commit of layout 2, the build before the
+// cluster policy tiers: the build every node ran until this layout.
+// (Layout 1, before the source check, ended at f9c911c; this build still
+// takes its pins over, which bpf's TestRenewLayout1 checks.)
 const (
-	PreviousBuild       = "f9c911c0958f40e88f68041efdfe43ff56b127ee"
-	PreviousLayout      = 1
-	PreviousReasonCount = 11
+	PreviousBuild       = "c704f0eb2a2c27bb60094a9c69ab20c9c6e13579"
+	PreviousLayout      = 2
+	PreviousReasonCount = 12
 )
 
 // Previous builds podfence and podfence-sweeper of previousBuild from

@@ -18,16 +18,17 @@ import (
 	"github.com/podfence/podfence/test/builds"
 )
 
-// TestUpgradeFromPreviousLayout: a node of the build before the source
-// check (layout 1: no sources map, counters of 11 reasons) carries live
-// traffic through a service VIP while this build's plugin adds a replica
-// and its sweeper starts, as a rollout does. No allowed connection fails
-// and the stranger never gets through; every member gets its sources
-// entry before it runs this build's programs (else its new flows would be
-// dropped as spoofed); the counters keep their reasons (a counter of the
-// earlier layout under the index it had would show up as another reason,
-// spoofed among them); and the moved members are held to their own
-// addresses from then on.
+// TestUpgradeFromPreviousLayout: a node of the build before the cluster
+// policy tiers (layout 2: no tiers map, counters of 12 reasons) carries
+// live traffic through a service VIP while this build's plugin adds a
+// replica and its sweeper starts, as a rollout does. No allowed connection
+// fails and the stranger never gets through; every member keeps its
+// sources entry (else its new flows would be dropped as spoofed); the
+// counters keep their reasons (a counter of the earlier layout under the
+// index it had would show up as another reason); the moved members are
+// held to their own addresses; and a cluster policy written after the
+// take-over is enforced on the moved identifiers, through the tiers map
+// the take-over created.
 func TestUpgradeFromPreviousLayout(t *testing.T) {
 	prev := builds.Previous(t)
 	for _, mode := range attachModes(t) {
@@ -100,6 +101,14 @@ func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
 	sendFrame(t, c, stranger, packet.Packet{Src: client.ip, Dst: web.ip, Proto: 6, SrcPort: 40123, DstPort: backendPort, TCPFlags: 0x02})
 	if n := c.counter(t, stranger, bpf.ReasonSpoofed); n != spoofedBefore+1 {
 		t.Errorf("the stranger's SYN in the client's name: spoofed count %d -> %d, want one more", spoofedBefore, n)
+	}
+
+	gen, changed := c.generation(t, webID), time.Now()
+	c.writeCluster(t, clusterDoc{name: "after-upgrade", tier: "Admin", priority: 1, pods: []*pod{web, web2, web3},
+		ingress: []clusterRule{{"Deny", host(client), 0}}})
+	c.waitGeneration(t, webID, gen, changed)
+	if c.connects(client, web, backendPort) {
+		t.Error("an Admin Deny written after the take-over is not enforced on a moved member")
 	}
 	if err := sweeper.Process.Kill(); err != nil {
 		t.Fatal(err)
