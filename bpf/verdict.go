@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/policy"
 )
 
 // Verdicts the programs return (TC_ACT_UNSPEC, which TCX reads as
@@ -48,6 +50,18 @@ func (r Reason) String() string {
 		return reasonNames[r]
 	}
 	return fmt.Sprintf("reason(%d)", uint8(r))
+}
+
+// Tier names the cluster policy tier that gives r ("Admin", "Baseline"),
+// or is empty for a reason of another layer.
+func (r Reason) Tier() string {
+	switch r {
+	case ReasonAdminAccept, ReasonAdminDeny:
+		return policy.TierAdmin.String()
+	case ReasonBaselineAccept, ReasonBaselineDeny:
+		return policy.TierBaseline.String()
+	}
+	return ""
 }
 
 // Verdict is the verdict the programs give for r.

@@ -31,9 +31,12 @@ type identifierView struct {
 	Generation uint32   `json:"generation"`
 	// Layout is the layout version and build the pins record (README,
 	// "Upgrading"), e.g. "v1 object=2cd96be453afbd0a".
-	Layout     string       `json:"layout"`
-	Mode       string       `json:"mode"`
-	Isolated   []string     `json:"isolated"`
+	Layout   string   `json:"layout"`
+	Mode     string   `json:"mode"`
+	Isolated []string `json:"isolated"`
+	// Tiers are the cluster policy tiers that judge the identifier's new
+	// flows, by direction: "admin/ingress", "baseline/egress".
+	Tiers      []string     `json:"tiers"`
 	Allowed    uint64       `json:"allowed_packets"`
 	Denied     uint64       `json:"denied_packets"`
 	Members    []memberView `json:"members"`
@@ -106,13 +109,15 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintln(stdout)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "IDENTIFIER\tGEN\tMODE\tISOLATED\tALLOWED\tDENIED\tCONTAINER\tVETH\tIFINDEX\tATTACH\tPROGRAMS\tIPS")
-	for _, v := range views {
-		iso := strings.Join(v.Isolated, ",")
-		if iso == "" {
-			iso = "-"
+	fmt.Fprintln(tw, "IDENTIFIER\tGEN\tMODE\tISOLATED\tTIERS\tALLOWED\tDENIED\tCONTAINER\tVETH\tIFINDEX\tATTACH\tPROGRAMS\tIPS")
+	orNone := func(s []string) string {
+		if len(s) == 0 {
+			return "-"
 		}
-		head := fmt.Sprintf("%s\t%d\t%s\t%s\t%d\t%d", v.ID, v.Generation, v.Mode, iso, v.Allowed, v.Denied)
+		return strings.Join(s, ",")
+	}
+	for _, v := range views {
+		head := fmt.Sprintf("%s\t%d\t%s\t%s\t%s\t%d\t%d", v.ID, v.Generation, v.Mode, orNone(v.Isolated), orNone(v.Tiers), v.Allowed, v.Denied)
 		if v.Error != "" {
 			fmt.Fprintf(tw, "%s\t(%s)\n", head, v.Error)
 		}
@@ -153,7 +158,7 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 	}
 	views := []identifierView{}
 	for _, id := range ids {
-		v := identifierView{ID: id, Members: []memberView{}, Isolated: []string{}}
+		v := identifierView{ID: id, Members: []memberView{}, Isolated: []string{}, Tiers: []string{}}
 		info, err := bpf.InspectIdentifier(pinRoot, id)
 		if err != nil {
 			v.Error = err.Error()
@@ -162,6 +167,12 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 			for d, name := range []string{"ingress", "egress"} {
 				if info.Isolated[d] {
 					v.Isolated = append(v.Isolated, name)
+				}
+				if info.Admin[d] {
+					v.Tiers = append(v.Tiers, "admin/"+name)
+				}
+				if info.Baseline[d] {
+					v.Tiers = append(v.Tiers, "baseline/"+name)
 				}
 			}
 			v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()

@@ -38,6 +38,10 @@ type traceEvent struct {
 	// Near are the rules that came closest: their CIDR holds the remote
 	// address, but an except excludes it or their ports differ.
 	Near []policy.RuleRef `json:"near"`
+	// Tier is the cluster policy tier whose Deny dropped the packet, and
+	// Rule that Deny as the policy directory's cluster/ now holds it.
+	Tier string   `json:"tier,omitempty"`
+	Rule *tierRef `json:"rule,omitempty"`
 }
 
 // traceSummary ends a trace: how many of the denied packets the kernel
@@ -125,7 +129,10 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 		if len(te.Policy) > 0 {
 			why = "no rule of " + strings.Join(te.Policy, ", ") + " allows it"
 		}
-		if te.Reason != bpf.ReasonPolicyDeny.String() {
+		switch {
+		case te.Rule != nil && te.Rule.Policy != "":
+			why = te.Reason + " by " + te.Rule.String()
+		case te.Reason != bpf.ReasonPolicyDeny.String():
 			why = te.Reason
 		}
 		fmt.Fprintf(stdout, "%s %s %s %s %s -> %s: %s\n", te.Time.Format("15:04:05.000"), target, te.Direction,
@@ -167,6 +174,7 @@ func monotonicToWall() func(time.Duration) time.Time {
 type resolver struct {
 	pinRoot, policyDir string
 	docs               []policy.Document
+	cluster            []policy.ClusterDocument
 	byIfindex          map[uint32]memberOf
 	read               time.Time
 }
@@ -176,6 +184,7 @@ type memberOf struct {
 	mode     policy.Mode
 	member   memberView
 	policies []string
+	set      *policy.Set
 }
 
 func newResolver(pinRoot, policyDir string) *resolver {
@@ -191,11 +200,14 @@ func (r *resolver) refresh() {
 	if err != nil {
 		return
 	}
-	r.docs, _ = policy.LoadDir(r.policyDir) // unreadable: no names, the rest still shows
+	r.docs, r.cluster = nil, nil // unreadable: no names, the rest still shows
+	if dir, err := policy.ReadDir(r.policyDir); err == nil {
+		r.docs, r.cluster = dir.Documents(), dir.ClusterDocuments()
+	}
 	for _, v := range views {
-		set := policy.ForIdentifier(r.docs, v.ID, policy.Mode(v.Mode))
+		set := policy.ForIdentifier(r.docs, v.ID, policy.Mode(v.Mode)).WithCluster(r.cluster, v.ID)
 		for _, m := range v.Members {
-			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: v.ID, mode: policy.Mode(v.Mode), member: m, policies: set.Sources}
+			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: v.ID, mode: policy.Mode(v.Mode), member: m, policies: set.Sources, set: &set}
 		}
 	}
 }
@@ -219,7 +231,7 @@ func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
 		r.refresh()
 		m, ok = r.byIfindex[e.Ifindex]
 	}
-	te := traceEvent{Time: at, Ifindex: e.Ifindex, Direction: "ingress", Reason: e.Reason.String(),
+	te := traceEvent{Time: at, Ifindex: e.Ifindex, Direction: "ingress", Reason: e.Reason.String(), Tier: e.Reason.Tier(),
 		Protocol: ipproto.Name(e.Proto), Src: e.Src.String(), Dst: e.Dst.String(), Policy: []string{}, Near: []policy.RuleRef{}}
 	dir, remote := policy.Ingress, e.Src.Addr()
 	if e.Egress {
@@ -230,6 +242,10 @@ func (r *resolver) describe(e bpf.DenyEvent, at time.Time) traceEvent {
 		te.Policy = append(te.Policy, m.policies...)
 		if e.Reason == bpf.ReasonPolicyDeny || e.Reason == bpf.ReasonRevoked {
 			te.Near = policy.Explain(r.docs, m.id, m.mode, dir, remote, e.Proto, e.Dst.Port()).Near
+		}
+		if te.Tier != "" {
+			// A new flow's first packet: its destination port is the one judged.
+			te.Rule = newTierRef(te.Tier, policy.Decide(m.set, &m.set.Cluster, dir, remote, e.Proto, e.Dst.Port()).Rule)
 		}
 	}
 	return te

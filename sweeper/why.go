@@ -26,6 +26,11 @@ type whyResult struct {
 	Verdict     string             `json:"verdict"` // allow or deny
 	Reason      string             `json:"reason"`
 	Explanation policy.Explanation `json:"explanation"`
+	// Tier is the cluster rule that decided (reasons admin-* and
+	// baseline-*), Passed the Admin Pass that sent the flow on; from the
+	// policy directory's cluster/.
+	Tier   *tierRef `json:"tier,omitempty"`
+	Passed *tierRef `json:"passed,omitempty"`
 
 	reason bpf.Reason
 	own    []string // the member's addresses
@@ -93,16 +98,27 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	docs, err := policy.LoadDir(*policyDir)
-	if err != nil {
+	var docs []policy.Document
+	var cluster []policy.ClusterDocument
+	if dir, err := policy.ReadDir(*policyDir); err != nil {
 		fmt.Fprintf(stderr, "the policy directory cannot be read (%v): the verdict is the datapath's, no rule can be named\n", err)
+	} else {
+		docs, cluster = dir.Documents(), dir.ClusterDocuments()
 	}
+	set := policy.ForIdentifier(docs, q.id, mode).WithCluster(cluster, q.id)
+	decision := policy.Decide(&set, &set.Cluster, q.dir, q.peer, q.proto, q.port)
 	res := whyResult{Identifier: q.id, Container: member.ContainerID, Direction: q.dir.String(),
 		Protocol: policy.Protocol(q.proto).String(),
 		Src:      netip.AddrPortFrom(pkt.Src, pkt.SrcPort).String(), Dst: netip.AddrPortFrom(pkt.Dst, pkt.DstPort).String(),
 		Verdict: "allow", Reason: reason.String(), reason: reason,
 		Explanation: policy.Explain(docs, q.id, mode, q.dir, q.peer, q.proto, q.port),
 		own:         member.IPs}
+	if reason.Tier() != "" {
+		res.Tier = newTierRef(reason.Tier(), decision.Rule)
+	}
+	if decision.Passed != nil {
+		res.Passed = newTierRef(policy.TierAdmin.String(), decision.Passed)
+	}
 	if ret != bpf.VerdictAllow {
 		res.Verdict = "deny"
 	}
@@ -126,12 +142,21 @@ func printWhy(w io.Writer, r whyResult) {
 		return // policy was not consulted
 	case bpf.ReasonCTEstablished, bpf.ReasonCTReply:
 		fmt.Fprintf(w, "  a flow in conntrack, checked against the current policy\n")
+	case bpf.ReasonAdminAccept, bpf.ReasonAdminDeny, bpf.ReasonBaselineAccept, bpf.ReasonBaselineDeny:
+		if r.Tier.Policy == "" {
+			fmt.Fprintf(w, "  decided by a %s tier rule the policy directory no longer holds\n", r.Tier.Tier)
+		} else {
+			fmt.Fprintf(w, "  decided by %s\n", r.Tier)
+		}
 	case bpf.ReasonPolicyDeny:
 		if len(e.Documents) == 0 {
 			fmt.Fprintf(w, "  no policy selects the pod, and its mode closes it by default\n")
 		} else {
 			fmt.Fprintf(w, "  no rule of %s allows it\n", strings.Join(e.Documents, ", "))
 		}
+	}
+	if r.Passed != nil {
+		fmt.Fprintf(w, "  passed on by %s\n", r.Passed)
 	}
 	for _, ref := range e.Allowing {
 		fmt.Fprintf(w, "  allowed by %s\n", describeRule(ref))
@@ -144,6 +169,36 @@ func printWhy(w io.Writer, r whyResult) {
 	for _, p := range e.NotAsWritten {
 		fmt.Fprintf(w, "  not enforced as written: %s\n", p)
 	}
+}
+
+// tierRef names a cluster rule in why's answer.
+type tierRef struct {
+	Tier     string `json:"tier"`
+	Policy   string `json:"policy"` // the ClusterNetworkPolicy
+	Priority uint16 `json:"priority"`
+	Action   string `json:"action"`
+	Source   string `json:"source"` // file#document
+	Rule     int    `json:"rule"`   // index in the document's ingress or egress
+	CIDR     string `json:"cidr"`
+	Ports    string `json:"ports"`
+}
+
+// newTierRef names r, a rule of tier; without one (the directory changed
+// since the maps were programmed) only the tier.
+func newTierRef(tier string, r *policy.ClusterRule) *tierRef {
+	if r == nil {
+		return &tierRef{Tier: tier}
+	}
+	var ports []string
+	for _, p := range r.Ports {
+		ports = append(ports, p.String())
+	}
+	return &tierRef{Tier: tier, Policy: r.Policy, Priority: r.Priority, Action: r.Action.String(),
+		Source: r.Source, Rule: r.Index, CIDR: r.CIDR.String(), Ports: strings.Join(ports, ",")}
+}
+
+func (t *tierRef) String() string {
+	return fmt.Sprintf("%s tier: %s priority %d (%s) rule %d: %s %s %s", t.Tier, t.Policy, t.Priority, t.Source, t.Rule, t.Action, t.CIDR, t.Ports)
 }
 
 func describeRule(ref policy.RuleRef) string {

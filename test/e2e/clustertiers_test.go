@@ -2,9 +2,12 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,6 +85,86 @@ func (c *cluster) removeCluster(t *testing.T, name string) {
 	}
 }
 
+// checkTierTools: with the Admin policy "guard" (priority 10) denying
+// client's TCP to web's backendPort, why names the tier, the policy, its
+// priority and the rule; trace names them for the denied packets; ls shows
+// the Admin tier on web's ingress.
+func (c *cluster) checkTierTools(t *testing.T, web, client *pod) {
+	t.Helper()
+	type rule struct {
+		Tier, Policy, Action, Source string
+		Priority                     int
+	}
+	wantRule := func(what string, r *rule) {
+		t.Helper()
+		if r == nil || r.Tier != "Admin" || r.Policy != "guard" || r.Priority != 10 || r.Action != "Deny" ||
+			!strings.Contains(r.Source, "cpe_guard.json") {
+			t.Errorf("%s names %+v, want the Admin tier's guard, priority 10, Deny, in cpe_guard.json", what, r)
+		}
+	}
+	out, err := c.sweeper(t, "why", "--json", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir,
+		"--pod", web.name+".default", "--from", client.ip.String(), fmt.Sprintf("%d/tcp", backendPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var w struct {
+		Verdict, Reason string
+		Tier            *rule
+	}
+	if err := json.Unmarshal(out, &w); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if w.Verdict != "deny" || w.Reason != bpf.ReasonAdminDeny.String() {
+		t.Errorf("why: %s (%s), want deny (admin-deny)", w.Verdict, w.Reason)
+	}
+	wantRule("why", w.Tier)
+
+	c.connects(client, web, backendPort)
+	out, err = c.sweeper(t, "trace", "--json", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--duration", "1s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, line := range jsonLines(t, out) {
+		var ev struct {
+			Reason, Tier string
+			Rule         *rule
+		}
+		if json.Unmarshal(line, &ev) != nil || ev.Reason != bpf.ReasonAdminDeny.String() {
+			continue
+		}
+		found = true
+		if ev.Tier != "Admin" {
+			t.Errorf("trace: an admin-deny event of tier %q", ev.Tier)
+		}
+		wantRule("trace", ev.Rule)
+	}
+	if !found {
+		t.Errorf("trace shows no admin-deny event for the client's attempts:\n%s", out)
+	}
+
+	out, err = c.sweeper(t, "ls", "--json", "--pin-root", c.pinRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ls []struct {
+		Identifier string
+		Tiers      []string
+	}
+	if err := json.Unmarshal(out, &ls); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range ls {
+		want := []string{}
+		if v.Identifier == webID {
+			want = []string{"admin/ingress"}
+		}
+		if !slices.Equal(v.Tiers, want) {
+			t.Errorf("ls: %s has tiers %q, want %q", v.Identifier, v.Tiers, want)
+		}
+	}
+}
+
 func host(p *pod) string { return netip.PrefixFrom(p.ip, p.ip.BitLen()).String() }
 
 // TestClusterTiers: with the sweeper running, ClusterPolicyEndpoint files
@@ -125,6 +208,7 @@ func TestClusterTiers(t *testing.T) {
 	if n := c.counters(t, webIdent)[policy.Ingress][bpf.ReasonAdminDeny]; n == 0 {
 		t.Error("no ingress packet counted as admin-deny")
 	}
+	c.checkTierTools(t, web, client)
 
 	// A Pass of higher priority: the NetworkPolicy decides again.
 	gen, changed = c.generation(t, webIdent), time.Now()
