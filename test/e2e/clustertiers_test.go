@@ -25,9 +25,10 @@ type clusterDoc struct {
 	priority int
 	pods     []*pod
 	ingress  []clusterRule
+	egress   []clusterRule
 }
 
-// clusterRule is one ingress rule: action on cidr, TCP port (0: every port).
+// clusterRule is one rule: action on cidr, TCP port (0: every port).
 type clusterRule struct {
 	action string
 	cidr   string
@@ -35,16 +36,20 @@ type clusterRule struct {
 }
 
 func (d clusterDoc) String() string {
-	var eps, in []map[string]any
+	var eps []map[string]any
 	for _, p := range d.pods {
 		eps = append(eps, map[string]any{"name": p.name, "namespace": "default", "podIP": p.ip.String()})
 	}
-	for _, r := range d.ingress {
-		rule := map[string]any{"action": r.action, "cidr": r.cidr}
-		if r.port != 0 {
-			rule["ports"] = []any{map[string]any{"protocol": "TCP", "port": r.port}}
+	rules := func(rs []clusterRule) []map[string]any {
+		out := []map[string]any{}
+		for _, r := range rs {
+			rule := map[string]any{"action": r.action, "cidr": r.cidr}
+			if r.port != 0 {
+				rule["ports"] = []any{map[string]any{"protocol": "TCP", "port": r.port}}
+			}
+			out = append(out, rule)
 		}
-		in = append(in, rule)
+		return out
 	}
 	b, err := json.Marshal(map[string]any{
 		"apiVersion": "networking.k8s.aws/v1alpha1",
@@ -52,7 +57,8 @@ func (d clusterDoc) String() string {
 		"metadata":   map[string]any{"name": d.name + "-abcde"},
 		"spec": map[string]any{
 			"policyRef": map[string]any{"name": d.name}, "tier": d.tier, "priority": d.priority,
-			"subject": map[string]any{"namespaces": map[string]any{}}, "podSelectorEndpoints": eps, "ingress": in,
+			"subject": map[string]any{"namespaces": map[string]any{}}, "podSelectorEndpoints": eps,
+			"ingress": rules(d.ingress), "egress": rules(d.egress),
 		},
 	})
 	if err != nil {
@@ -261,5 +267,44 @@ func TestClusterTiers(t *testing.T) {
 	waitConnects(t, client, other, backendPort, true, changed, 2*time.Second)
 	if c.connects(intruder, other, backendPort) {
 		t.Error("the intruder reaches other: only the client's Baseline Accept should open it")
+	}
+}
+
+// TestClusterEgressBeforeDNAT pins a known limit, shared with
+// PolicyEndpoints (README, "Cluster policy tiers"): a pod's egress is
+// judged before the Service's DNAT, on the ClusterIP, and the controller
+// puts no ClusterIP into a networks peer. So an Admin egress Deny of a
+// backend's address stops the client's connections to that address, but
+// not those through the Service in front of it. The backend's own ingress
+// rules are judged after DNAT and do hold: an Admin ingress Deny on web
+// stops the client either way.
+func TestClusterEgressBeforeDNAT(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client, _, web := c.vipScene(t)
+	// The client's NetworkPolicy also allows the backend directly, so
+	// that only the Admin tier can deny it.
+	c.writePolicy("client", egressOnly("client", tcpRule(serviceVIP.String(), servicePort), tcpRule(host(web), backendPort)))
+	vip := netip.AddrPortFrom(serviceVIP.Addr(), servicePort)
+	c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h")
+	c.waitHealthy(t)
+
+	if !c.connects(client, web, backendPort) {
+		t.Fatal("before any cluster policy, the client does not reach web directly")
+	}
+	changed := time.Now()
+	c.writeCluster(t, clusterDoc{name: "no-web", tier: "Admin", priority: 10, pods: []*pod{client},
+		egress: []clusterRule{{"Deny", host(web), 0}}})
+	waitConnects(t, client, web, backendPort, false, changed, 2*time.Second)
+	if !netnsutil.Connects(t, client.netns, vip, 300*time.Millisecond, 3) {
+		t.Fatal("the client no longer reaches web through its Service: the known limit is gone (judged after DNAT?); update this test and the README")
+	}
+
+	c.writeCluster(t, clusterDoc{name: "guard-web", tier: "Admin", priority: 10, pods: []*pod{web},
+		ingress: []clusterRule{{"Deny", host(client), 0}}})
+	deadline := time.Now().Add(2 * time.Second)
+	for netnsutil.Connects(t, client.netns, vip, 100*time.Millisecond, 1) {
+		if time.Now().After(deadline) {
+			t.Fatal("an Admin ingress Deny on the backend does not stop the client's connections through the Service")
+		}
 	}
 }
