@@ -204,16 +204,19 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	// A direction being opened is opened before its trie is emptied, and
 	// (below) one being closed is closed after its trie is filled: at no
 	// instant is a direction enforced against a trie that is neither the
-	// old policy's nor the new one's.
-	if opening := st; opening.Enforced&^want.Enforced != 0 {
-		opening.Enforced = whileChanging(st.Enforced, want.Enforced)
-		if err := i.State.Update(uint32(0), &opening, ebpf.UpdateExist); err != nil {
+	// old policy's nor the new one's. One that stays enforced by other
+	// layers is judged by both policies' layers meanwhile (whileChanging).
+	if mid := st; whileChanging(st.Enforced, want.Enforced) != st.Enforced {
+		mid.Enforced = whileChanging(st.Enforced, want.Enforced)
+		if err := i.State.Update(uint32(0), &mid, ebpf.UpdateExist); err != nil {
 			return fmt.Errorf("write state: %w", err)
 		}
-		// A packet that read the old isolation bit may still be on
-		// its way to the trie; let it finish before entries go.
-		if err := waitForPrograms(); err != nil {
-			return err
+		// A packet that read an old bit may still be on its way to
+		// that layer's trie; let it finish before entries go.
+		if st.Enforced&^mid.Enforced != 0 {
+			if err := waitForPrograms(); err != nil {
+				return err
+			}
 		}
 		if err := stopAt("opened"); err != nil {
 			return err
@@ -236,16 +239,22 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 }
 
 // whileChanging is the enforced bits while the tries change from those of
-// old to those of want: the layers both consult, and strict mode's
-// NetworkPolicy-trie lookup when both have one (as ENFORCE_POLICY, or
-// ENFORCE_DEFAULT_DENY behind Baseline), so that a strict pod that gains or
-// loses Baseline rules or its first PolicyEndpoint is never open meanwhile.
+// old to those of want. A direction one of them leaves open is open
+// meanwhile, as before tiers: one being opened is opened first, one being
+// closed closed last. A direction both enforce is judged by the layers of
+// both, each layer's trie holding, per address, its old entry or its new
+// one: never open, and a strict pod never more open than its old or its
+// new policy. Across layers this is not atomic: for those moments a flow
+// can meet one layer's new entries and another's old ones (the policy
+// tries change before the tiers), and be denied though both policies
+// allow it, or allowed though both deny it (README, "Cluster-wide tiers").
 func whileChanging(old, want uint8) uint8 {
-	bits := old & want
-	const npTrie = enforcePolicy | enforceDefaultDeny
+	const all = enforceAdmin | enforcePolicy | enforceBaseline | enforceDefaultDeny
+	var bits uint8
 	for d := range 2 {
-		if old&(npTrie<<d) != 0 && want&(npTrie<<d) != 0 {
-			bits |= old & (npTrie << d)
+		o, w := old&(all<<d), want&(all<<d)
+		if o != 0 && w != 0 {
+			bits |= o | w
 		}
 	}
 	return bits
