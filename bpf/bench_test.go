@@ -321,7 +321,7 @@ const previousObject = "f9c911c0958f40e88f68041efdfe43ff56b127ee"
 // with the check off for the pod (sourceCheck false): the lookup without
 // the comparison.
 func BenchmarkSourceCheck(b *testing.B) {
-	prev := previousEgress(b)
+	prev := previousEgress(b, previousObject)
 	h := newHarness(b)
 	dst := netip.MustParsePrefix("10.9.0.0/24")
 	frame := func(i int) []byte {
@@ -369,16 +369,16 @@ func BenchmarkSourceCheck(b *testing.B) {
 	}
 }
 
-// previousBuild is the previous build's egress program with its own,
-// unpinned maps.
+// previousBuild is an earlier build's egress program (the object committed
+// at a commit of this clone's history) with its own, unpinned maps.
 type previousBuild struct {
 	coll   *ebpf.Collection
 	egress *ebpf.Program
 }
 
-func previousEgress(b *testing.B) *previousBuild {
+func previousEgress(b *testing.B, commit string) *previousBuild {
 	b.Helper()
-	obj, err := exec.Command("git", "show", previousObject+":bpf/podfence_bpfel.o").Output()
+	obj, err := exec.Command("git", "show", commit+":bpf/podfence_bpfel.o").Output()
 	if err != nil {
 		b.Skipf("the previous build's object is not in this clone's history: %v", err)
 	}

@@ -68,6 +68,25 @@ echo "$out" | awk '/^BenchmarkSourceCheck/ {
 	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
 	printf "  %-24s %6s ns  x previous build %s\n", name, v["ns/op"], v["x-previous"]
 }'
+echo
+echo "cluster tiers on a pod's new flow, beside the build before them (BenchmarkTiers, median single run)"
+out=$(cd bpf && taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkTiers' -test.benchtime 50000x)
+echo "$out" | awk '/^BenchmarkTiers/ {
+	name=$1; sub(/^BenchmarkTiers\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  %-26s %6s ns  x previous build %s\n", name, v["ns/op"], (name ~ /^ct-hit/ ? "-" : v["x-previous"])
+}'
+echo
+echo "one change of a cluster-wide Admin policy, 100 identifiers (BenchmarkClusterChange)"
+out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/reprogram' -test.benchtime 5x;
+	/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/recheck' -test.benchtime 2000x)
+echo "$out" | awk '/^BenchmarkClusterChange/ {
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+}
+END {
+	printf "  reprogram: %s ms per change, %s µs per identifier\n", v["ms/change"], v["µs/identifier"]
+	printf "  a tracked flow'"'"'s next packet: %s ns re-checked, %s ns at the current generation (%sx)\n", v["stale-ns"], v["current-ns"], v["x-current"]
+}'
 rm -f /tmp/podfence-bpf.test
 
 # The CNI plugin: latency of the podfence binary's own ADD and DEL (a
