@@ -113,7 +113,7 @@ churn:
 	$(REALNODE) PODFENCE_CHURN_ROUNDS=40 $(GO) test -count=1 -timeout 2h -v -run '^TestChurn$$' ./test/realnode/
 
 latency:
-	$(REALNODE) PODFENCE_LATENCY_CHANGES=100 $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^BenchmarkPolicyLatency$$' -benchtime 1x ./test/realnode/
+	$(REALNODE) PODFENCE_LATENCY_CHANGES=100 $(GO) test -count=1 -timeout 1h -run '^$$' -bench '^Benchmark(Cluster)?PolicyLatency$$' -benchtime 1x ./test/realnode/
 
 restarts:
 	$(REALNODE) PODFENCE_RESTART_ROUNDS=5 $(GO) test -count=1 -timeout 1h -v -run '^TestRestartsUnderTraffic$$' ./test/realnode/

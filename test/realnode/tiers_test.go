@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -21,7 +24,7 @@ import (
 // ClusterNetworkPolicy objects that the real controller turns into
 // ClusterPolicyEndpoints for the node.
 type tierScene struct {
-	t    *testing.T
+	t    testing.TB
 	n    *node.Node
 	cs   *kubernetes.Clientset
 	cnps dynamic.ResourceInterface
@@ -29,7 +32,7 @@ type tierScene struct {
 	pods map[string]*corev1.Pod
 }
 
-func newTierScene(t *testing.T) *tierScene {
+func newTierScene(t testing.TB) *tierScene {
 	n := needNode(t)
 	cs := clientset(t, n)
 	s := &tierScene{t: t, n: n, cs: cs, cnps: dynamicClient(t, n).Resource(clusterNetworkPolicies),
@@ -215,4 +218,47 @@ func (s *tierScene) lookup(app, addr string) {
 	if err := s.lookupErr(app, addr); err != nil {
 		s.t.Fatalf("DNS from %s to %s before any cluster policy: %v", app, addr, err)
 	}
+}
+
+// BenchmarkClusterPolicyLatency reports p50 and p99 over 20 changes (or
+// PODFENCE_LATENCY_CHANGES) from the API write of a ClusterNetworkPolicy
+// to the client's first connection with the new outcome, through the
+// controller, the sweeper's mirror and the tiers: an Admin Deny of the
+// client created (out), then deleted (in). It runs once whatever b.N:
+// make latency.
+func BenchmarkClusterPolicyLatency(b *testing.B) {
+	changes := 20
+	if v, err := strconv.Atoi(os.Getenv("PODFENCE_LATENCY_CHANGES")); err == nil && v > 0 {
+		changes = v
+	}
+	s := newTierScene(b)
+	b.ResetTimer()
+	var lat []time.Duration
+	for i := range changes {
+		name := fmt.Sprintf("latency-%d", i/2)
+		var at time.Time
+		want := i%2 == 1
+		if want {
+			if err := s.cnps.Delete(context.Background(), s.ns+"-"+name, metav1.DeleteOptions{}); err != nil {
+				b.Fatal(err)
+			}
+			at = time.Now()
+		} else {
+			at = s.create(name, "Admin", 10, s.peer("server"), []any{rule("Deny", "from", s.peer("client"))}, nil)
+		}
+		for s.reaches("client", "server") != want {
+			if time.Since(at) > time.Minute {
+				b.Fatalf("change %d: the client's access is not %v a minute after the API write", i, want)
+			}
+		}
+		lat = append(lat, time.Since(at))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	q := func(p float64) float64 { return lat[min(len(lat)-1, int(p*float64(len(lat))))].Seconds() }
+	b.ReportMetric(q(0.5), "p50-s")
+	b.ReportMetric(q(0.99), "p99-s")
+	b.ReportMetric(lat[len(lat)-1].Seconds(), "max-s")
+	b.ReportMetric(float64(len(lat)), "changes")
+	b.ReportMetric(0, "ns/op")
 }
