@@ -172,16 +172,23 @@ func randomRules(rng *rand.Rand) []policy.Rule {
 				}
 			}
 		}
-		if rng.IntN(4) == 0 {
-			r.Ports = []policy.PortRange{{Protocol: policy.ProtocolAny, First: 0, Last: 65535}}
-		} else {
-			for p := rng.IntN(4) + 1; p > 0; p-- {
-				r.Ports = append(r.Ports, randomPortRange(rng))
-			}
-		}
+		r.Ports = randomPorts(rng, 4)
 		rs = append(rs, r)
 	}
 	return rs
+}
+
+// randomPorts is every port in a quarter of the cases, else up to most
+// random ranges.
+func randomPorts(rng *rand.Rand, most int) []policy.PortRange {
+	if rng.IntN(4) == 0 {
+		return []policy.PortRange{{Protocol: policy.ProtocolAny, First: 0, Last: 65535}}
+	}
+	var ports []policy.PortRange
+	for p := rng.IntN(most) + 1; p > 0; p-- {
+		ports = append(ports, randomPortRange(rng))
+	}
+	return ports
 }
 
 // randomSet is what policy.ForIdentifier and ClusterForIdentifier could
@@ -221,13 +228,7 @@ func randomTierRules(rng *rand.Rand) policy.TierRules {
 			Priority: uint16(rng.IntN(3) * 10),
 			Index:    i,
 		}
-		if rng.IntN(4) == 0 {
-			r.Ports = []policy.PortRange{{Protocol: policy.ProtocolAny, First: 0, Last: 65535}}
-		} else {
-			for p := rng.IntN(3) + 1; p > 0; p-- {
-				r.Ports = append(r.Ports, randomPortRange(rng))
-			}
-		}
+		r.Ports = randomPorts(rng, 3)
 		rs = append(rs, r)
 	}
 	slices.SortStableFunc(rs, policy.Before)

@@ -157,6 +157,11 @@ func BenchmarkPolicyLatency(b *testing.B) {
 	b.ResetTimer()
 	lat := s.measure(b, changes, time.Minute)
 	b.StopTimer()
+	reportLatencies(b, lat)
+}
+
+// reportLatencies reports the p50, p99 and largest of lat, and how many.
+func reportLatencies(b *testing.B, lat []time.Duration) {
 	slices.Sort(lat)
 	q := func(p float64) float64 { return lat[min(len(lat)-1, int(p*float64(len(lat))))].Seconds() }
 	b.ReportMetric(q(0.5), "p50-s")

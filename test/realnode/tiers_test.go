@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -254,11 +253,5 @@ func BenchmarkClusterPolicyLatency(b *testing.B) {
 		lat = append(lat, time.Since(at))
 	}
 	b.StopTimer()
-	slices.Sort(lat)
-	q := func(p float64) float64 { return lat[min(len(lat)-1, int(p*float64(len(lat))))].Seconds() }
-	b.ReportMetric(q(0.5), "p50-s")
-	b.ReportMetric(q(0.99), "p99-s")
-	b.ReportMetric(lat[len(lat)-1].Seconds(), "max-s")
-	b.ReportMetric(float64(len(lat)), "changes")
-	b.ReportMetric(0, "ns/op")
+	reportLatencies(b, lat)
 }
