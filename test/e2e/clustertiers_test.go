@@ -308,3 +308,35 @@ func TestClusterEgressBeforeDNAT(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterTiersAtAdd: a pod that a ClusterPolicyEndpoint already
+// selects is fenced by it from its ADD, with no sweeper running; and a
+// cluster file that does not parse fails the ADD, naming it, and leaves
+// nothing behind.
+func TestClusterTiersAtAdd(t *testing.T) {
+	c := newCluster(t, attachModes(t)[0])
+	client := c.addPod("client", "default")
+	late := &pod{name: "late", ip: netip.MustParseAddr("10.0.0.99")} // its name and address, before its ADD
+	c.writeCluster(t, clusterDoc{name: "late", tier: "Baseline", priority: 1, pods: []*pod{late},
+		ingress: []clusterRule{{"Deny", host(client), 0}}})
+	late = c.addPod("late", "default")
+	echoServer(t, late.netns, backendPort)
+	if c.connects(client, late, backendPort) {
+		t.Error("the client reaches a pod whose Baseline denies it from its ADD on")
+	}
+	if n := c.counters(t, "late@default")[policy.Ingress][bpf.ReasonBaselineDeny]; n == 0 {
+		t.Error("no packet counted as baseline-deny")
+	}
+
+	broken := filepath.Join(c.policyDir, policy.ClusterDir, "cpe_broken.json")
+	if err := os.WriteFile(broken, []byte(`{"apiVersion": "networking.k8s.aws/v1alpha1", "kind": "ClusterPolicyEndpoint", "spec": {"tier": "Sideways"}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.tryAddPod("refused", "default")
+	if err == nil || !strings.Contains(err.Error(), "cpe_broken.json") {
+		t.Fatalf("ADD with a cluster file that does not parse: %v, want an error naming it", err)
+	}
+	if exists(c.identifierDir("refused@default")) {
+		t.Error("the refused ADD left its identifier's pins")
+	}
+}
