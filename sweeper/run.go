@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -260,25 +261,45 @@ func (r *runner) loop(ctx context.Context) error {
 
 	// Policy changes are programmed as they settle; the directory is read
 	// once now, for changes made while no sweeper ran.
-	// The cluster policies' subdirectory is watched on its own: inotify
-	// follows one directory.
-	clusterDir := filepath.Join(r.policyDir, policy.ClusterDir)
-	watch := func(dir string) (*policywatch.Watcher, error) {
-		if err := os.MkdirAll(dir, 0o755); err != nil { // removed: no documents
+	watch := func() (*policywatch.Watcher, error) {
+		if err := os.MkdirAll(r.policyDir, 0o755); err != nil { // removed: no documents
 			return nil, fmt.Errorf("policy directory: %w", err)
 		}
-		return policywatch.New(dir, 0)
+		return policywatch.New(r.policyDir, 0)
 	}
-	pw, err := watch(r.policyDir)
+	pw, err := watch()
 	if err != nil {
 		return err
 	}
 	defer func() { pw.Close() }()
-	cw, err := watch(clusterDir)
-	if err != nil {
-		return err
+	// The cluster policies' subdirectory is watched on its own (inotify
+	// follows one directory), while it exists: made here at the start,
+	// and followed again once it is back after a removal, which the
+	// policy directory's own watcher sees.
+	clusterDir := filepath.Join(r.policyDir, policy.ClusterDir)
+	if err := os.MkdirAll(clusterDir, 0o755); err != nil {
+		return fmt.Errorf("cluster policy directory: %w", err)
 	}
-	defer func() { cw.Close() }()
+	var cw *policywatch.Watcher
+	watchCluster := func() {
+		if cw != nil {
+			return
+		}
+		w, err := policywatch.New(clusterDir, 0)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+		case err != nil:
+			r.log.Error("cannot follow the cluster policy directory; its files are read at the next change of the policy directory", "error", err)
+		default:
+			cw = w
+		}
+	}
+	watchCluster()
+	defer func() {
+		if cw != nil {
+			cw.Close()
+		}
+	}()
 	r.applyPolicies("start")
 
 	// The mirror writes into the directory pw follows, and also says when
@@ -299,6 +320,11 @@ func (r *runner) loop(ctx context.Context) error {
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
+		watchCluster()
+		var clusterChanged, clusterFailed <-chan struct{} // nil: never ready
+		if cw != nil {
+			clusterChanged, clusterFailed = cw.C, cw.Failed
+		}
 		select {
 		case <-ctx.Done():
 			// A pass is never interrupted: this select runs between them.
@@ -313,7 +339,7 @@ func (r *runner) loop(ctx context.Context) error {
 			// directory it has programmed).
 			r.applyPolicies("policy files changed")
 			continue
-		case <-cw.C:
+		case <-clusterChanged:
 			r.applyPolicies("cluster policy files changed")
 			continue
 		case <-mirrored:
@@ -327,22 +353,18 @@ func (r *runner) loop(ctx context.Context) error {
 		case <-pw.Failed:
 			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
 			pw.Close()
-			cw.Close() // its directory may have gone with it
-			if pw, err = watch(r.policyDir); err != nil {
-				return err
-			}
-			if cw, err = watch(clusterDir); err != nil {
+			if pw, err = watch(); err != nil {
 				return err
 			}
 			r.applyPolicies("policy directory watched again")
 			continue
-		case <-cw.Failed:
-			r.log.Error("following the cluster policy directory stopped; watching it again", "error", cw.Err())
+		case <-clusterFailed:
+			// Removed (with the policy directory, say): its policies no
+			// longer apply. It is followed again when it is back.
+			r.log.Info("the cluster policy directory is gone: no cluster policy applies until it is back", "reason", cw.Err())
 			cw.Close()
-			if cw, err = watch(clusterDir); err != nil {
-				return err
-			}
-			r.applyPolicies("cluster policy directory watched again")
+			cw = nil
+			r.applyPolicies("cluster policy directory gone")
 			continue
 		case <-r.wake:
 		case <-timer.C:

@@ -268,6 +268,22 @@ func TestClusterTiers(t *testing.T) {
 	if c.connects(intruder, other, backendPort) {
 		t.Error("the intruder reaches other: only the client's Baseline Accept should open it")
 	}
+
+	// cluster/ removed: no cluster policy applies; made again, it is
+	// followed again.
+	changed = time.Now()
+	if err := os.RemoveAll(filepath.Join(c.policyDir, policy.ClusterDir)); err != nil {
+		t.Fatal(err)
+	}
+	waitConnects(t, intruder, other, backendPort, true, changed, 2*time.Second)
+	changed = time.Now()
+	c.writeCluster(t, clusterDoc{name: "back", tier: "Baseline", priority: 10, pods: []*pod{other},
+		ingress: []clusterRule{{"Deny", host(intruder), 0}}})
+	waitConnects(t, intruder, other, backendPort, false, changed, 2*time.Second)
+	changed = time.Now()
+	c.writeCluster(t, clusterDoc{name: "back", tier: "Baseline", priority: 10, pods: []*pod{other},
+		ingress: []clusterRule{{"Deny", host(client), 0}}})
+	waitConnects(t, intruder, other, backendPort, true, changed, 2*time.Second)
 }
 
 // TestClusterEgressBeforeDNAT pins a known limit, shared with
