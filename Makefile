@@ -74,11 +74,7 @@ FUZZTIME ?= 2m
 FUZZ_TARGETS := ./pkg/policy:FuzzDocument ./plugins/podfence:FuzzConfig ./plugins/podfence:FuzzIdentify \
 	./pkg/ctnetlink:FuzzMessages ./bpf:FuzzDatapath
 fuzz:
-	@for t in $(FUZZ_TARGETS); do \
-		pkg=$${t%%:*}; name=$${t##*:}; \
-		echo "fuzz $$name ($$pkg, $(FUZZTIME))"; \
-		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
-	done
+	@hack/fuzz.sh $(FUZZTIME) $(FUZZ_TARGETS)
 
 # The kernel-facing tests (./bpf, ./pkg/attach) in qemu guests on Debian's
 # 5.10, 6.1 and 6.12 cloud kernels (hack/kernels/versions); fails if any
