@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -52,6 +54,14 @@ func BenchmarkTiers(b *testing.B) {
 			Action: policy.ActionDeny, Priority: uint16(i)})
 	}
 	prev.program(b, np)
+	// The build before tiers checks sources too: the pod's entry, as its ADD wrote it.
+	src, err := Sources{Addrs: []netip.Addr{ip(pod4), ip(pod6)}}.encode()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := prev.coll.Maps[mapSources].Update(uint32(testIfindex), &src, ebpf.UpdateAny); err != nil {
+		b.Fatal(err)
+	}
 	cases := []struct {
 		name string
 		set  policy.Set
