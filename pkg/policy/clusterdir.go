@@ -2,11 +2,6 @@ package policy
 
 import (
 	"bytes"
-	"errors"
-	"fmt"
-	"io/fs"
-	"os"
-	"path/filepath"
 
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -31,37 +26,16 @@ type ClusterFile struct {
 // known and enforcing the others alone could be more open than the
 // objects.
 func readCluster(dir string) ([]ClusterFile, error) {
-	entries, err := os.ReadDir(dir)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read cluster policy dir: %w", err)
-	}
 	var files []ClusterFile
-	for _, e := range entries {
-		if !IsDocumentFile(e.Name()) {
-			continue
-		}
-		path := filepath.Join(dir, e.Name())
-		fi, err := os.Stat(path)
-		if err != nil {
-			return nil, fmt.Errorf("read cluster policy file: %w", err)
-		}
-		if !fi.Mode().IsRegular() {
-			continue
-		}
-		data, err := os.ReadFile(path)
-		if err != nil {
-			return nil, fmt.Errorf("read cluster policy file: %w", err)
-		}
+	err := readDocumentFiles(dir, "cluster policy", func(name, path string, data []byte) error {
 		docs, err := ParseCluster(bytes.NewReader(data), path)
 		if err != nil {
-			return nil, err
+			return err
 		}
-		files = append(files, ClusterFile{Name: e.Name(), Data: data, Docs: docs})
-	}
-	return files, nil
+		files = append(files, ClusterFile{Name: name, Data: data, Docs: docs})
+		return nil
+	})
+	return files, err
 }
 
 // ClusterDocuments are the ClusterPolicyEndpoints of every cluster file,

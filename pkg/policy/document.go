@@ -277,12 +277,35 @@ const lastGoodDir = ".podfence-last-good"
 // them the same index, in the same file), else by what Parse salvaged of it.
 func ReadDir(dir string) (*Dir, error) {
 	d := &Dir{Path: dir}
+	err := readDocumentFiles(dir, "policy", func(name, path string, data []byte) error {
+		f := File{Name: name, Data: data, Docs: parseData(data, path)}
+		if Strict(f.Docs) != nil {
+			f.Docs, f.LastGood = withLastGood(f.Docs, filepath.Join(dir, lastGoodDir, name))
+		}
+		d.Files = append(d.Files, f)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if d.Cluster, err = readCluster(filepath.Join(dir, ClusterDir)); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// readDocumentFiles calls each with the name, path and content of every
+// document file directly in dir, in name order: hidden files are skipped,
+// and so is anything that is not a regular file after following symlinks
+// (a ConfigMap volume links its keys through "..data"). A missing dir
+// holds none. what names the directory's kind in errors.
+func readDocumentFiles(dir, what string, each func(name, path string, data []byte) error) error {
 	entries, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
-		return d, nil
+		return nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("read policy dir: %w", err)
+		return fmt.Errorf("read %s dir: %w", what, err)
 	}
 	for _, e := range entries {
 		name := e.Name()
@@ -292,25 +315,20 @@ func ReadDir(dir string) (*Dir, error) {
 		path := filepath.Join(dir, name)
 		fi, err := os.Stat(path)
 		if err != nil {
-			return nil, fmt.Errorf("read policy file: %w", err)
+			return fmt.Errorf("read %s file: %w", what, err)
 		}
 		if !fi.Mode().IsRegular() {
 			continue
 		}
 		data, err := os.ReadFile(path)
 		if err != nil {
-			return nil, fmt.Errorf("read policy file: %w", err)
+			return fmt.Errorf("read %s file: %w", what, err)
 		}
-		f := File{Name: name, Data: data, Docs: parseData(data, path)}
-		if Strict(f.Docs) != nil {
-			f.Docs, f.LastGood = withLastGood(f.Docs, filepath.Join(dir, lastGoodDir, name))
+		if err := each(name, path, data); err != nil {
+			return err
 		}
-		d.Files = append(d.Files, f)
 	}
-	if d.Cluster, err = readCluster(filepath.Join(dir, ClusterDir)); err != nil {
-		return nil, err
-	}
-	return d, nil
+	return nil
 }
 
 // Documents are the documents of every file, in order.
