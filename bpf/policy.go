@@ -167,12 +167,7 @@ func newKeys[V any](have map[string]V, want map[string]*V) int {
 func fits(have [2][2]map[string]podfencePolicyValue, desired [2][2]map[string]*podfencePolicyValue, sets *portSets) error {
 	for d := range desired {
 		for f := range desired[d] {
-			n := len(have[d][f])
-			for k := range desired[d][f] {
-				if _, ok := have[d][f][k]; !ok {
-					n++
-				}
-			}
+			n := len(have[d][f]) + newKeys(have[d][f], desired[d][f])
 			if n > int(trieCapacity) {
 				return fmt.Errorf("%s policy of IPv%d: %d entries with those of the policy it replaces, a trie holds %d: %w",
 					policy.Direction(d), 4+2*f, n, trieCapacity, policy.ErrTooManyEntries)
@@ -206,8 +201,9 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	// instant is a direction enforced against a trie that is neither the
 	// old policy's nor the new one's. One that stays enforced by other
 	// layers is judged by both policies' layers meanwhile (whileChanging).
-	if mid := st; whileChanging(st.Enforced, want.Enforced) != st.Enforced {
-		mid.Enforced = whileChanging(st.Enforced, want.Enforced)
+	mid := st
+	mid.Enforced = whileChanging(st.Enforced, want.Enforced)
+	if mid.Enforced != st.Enforced {
 		if err := i.State.Update(uint32(0), &mid, ebpf.UpdateExist); err != nil {
 			return fmt.Errorf("write state: %w", err)
 		}
