@@ -203,6 +203,32 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 	return views, nil
 }
 
+// identCounters are an identifier's packet counts.
+type identCounters struct {
+	ID              podid.ID
+	Allowed, Denied uint64
+}
+
+// readCounters reads every identifier's packet counts, without its lock and
+// without a look at its members (netlink, hooks): what the metrics and
+// trace's totals need, at every scrape or event batch. An identifier being
+// created or removed is left out.
+func readCounters(pinRoot string) ([]identCounters, error) {
+	ids, err := membership.New(pinRoot).Identifiers()
+	if err != nil {
+		return nil, err
+	}
+	var out []identCounters
+	for _, id := range ids {
+		info, err := bpf.InspectIdentifier(pinRoot, id)
+		if err != nil {
+			continue
+		}
+		out = append(out, identCounters{ID: id, Allowed: info.Counters.Allowed(), Denied: info.Counters.Denied()})
+	}
+	return out, nil
+}
+
 func attached(ifindex int, h attach.Hook, want ebpf.ProgramID) bool {
 	ids, err := attach.Attached(ifindex, h)
 	return err == nil && slices.Contains(ids, want)

@@ -5,7 +5,6 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/liveness"
-	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/sweep"
 )
@@ -134,17 +133,13 @@ var packetsDesc = prometheus.NewDesc("podfence_identifier_packets_total",
 func (c *packetCollector) Describe(ch chan<- *prometheus.Desc) { ch <- packetsDesc }
 
 func (c *packetCollector) Collect(ch chan<- prometheus.Metric) {
-	ids, err := membership.New(c.pinRoot).Identifiers()
+	counts, err := readCounters(c.pinRoot)
 	if err != nil {
 		return
 	}
-	for _, id := range ids {
-		info, err := bpf.InspectIdentifier(c.pinRoot, id)
-		if err != nil {
-			continue // being created or removed
-		}
-		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Allowed()), string(id), "allowed")
-		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(info.Counters.Denied()), string(id), "denied")
+	for _, c := range counts {
+		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(c.Allowed), string(c.ID), "allowed")
+		ch <- prometheus.MustNewConstMetric(packetsDesc, prometheus.CounterValue, float64(c.Denied), string(c.ID), "denied")
 	}
 }
 

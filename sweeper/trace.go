@@ -214,13 +214,13 @@ func (r *resolver) refresh() {
 
 // denied is the node's denied packet count, over every identifier.
 func (r *resolver) denied() uint64 {
-	views, err := listIdentifiers(r.pinRoot)
+	counts, err := readCounters(r.pinRoot)
 	if err != nil {
 		return 0
 	}
 	var n uint64
-	for _, v := range views {
-		n += v.Denied
+	for _, c := range counts {
+		n += c.Denied
 	}
 	return n
 }

@@ -172,6 +172,10 @@ func TestSweeperRunFollowsDestroyEvents(t *testing.T) {
 		t.Errorf("event deletes %s, want 1", got)
 	}
 	metric(t, page, `podfence_conntrack_fill_ratio{family="ipv4"}`)
+	// The pod's identifier's packet counts, read at the scrape.
+	for _, verdict := range []string{"allowed", "denied"} {
+		metric(t, page, `podfence_identifier_packets_total{identifier="`+string(webID)+`",verdict="`+verdict+`"}`)
+	}
 
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
