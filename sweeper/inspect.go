@@ -158,49 +158,67 @@ func listIdentifiers(pinRoot string) ([]identifierView, error) {
 	}
 	views := []identifierView{}
 	for _, id := range ids {
-		v := identifierView{ID: id, Members: []memberView{}, Isolated: []string{}, Tiers: []string{}}
-		info, err := bpf.InspectIdentifier(pinRoot, id)
-		if err != nil {
-			v.Error = err.Error()
-		} else {
-			v.Generation, v.Mode, v.Layout = info.Generation, string(info.Mode), info.Layout
-			for d, name := range []string{"ingress", "egress"} {
-				if info.Isolated[d] {
-					v.Isolated = append(v.Isolated, name)
-				}
-				if info.Admin[d] {
-					v.Tiers = append(v.Tiers, "admin/"+name)
-				}
-				if info.Baseline[d] {
-					v.Tiers = append(v.Tiers, "baseline/"+name)
-				}
-			}
-			v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()
-		}
-		sc, err := store.ScanIdentifier(id)
-		if errors.Is(err, membership.ErrNoIdentifier) {
-			continue // its last member left meanwhile
-		}
+		v, ok, err := viewIdentifier(store, pinRoot, id)
 		if err != nil {
 			return nil, err
 		}
-		v.Unreadable = sc.Unreadable
-		for _, m := range sc.Members {
-			mv := memberView{ContainerID: m.ContainerID, IfName: m.IfName, HostVeth: m.HostVeth,
-				HostIfindex: m.HostIfindex, AttachMode: m.AttachMode, IPs: []string{}}
-			for _, p := range m.IPs {
-				mv.IPs = append(mv.IPs, p.String())
-			}
-			mv.VethPresent, _ = lifecycle.VethPresent(m)
-			if mv.VethPresent && info.Ingress != 0 {
-				mv.Attached = attached(m.HostIfindex, attach.HookEgress, info.Ingress) &&
-					attached(m.HostIfindex, attach.HookIngress, info.Egress)
-			}
-			v.Members = append(v.Members, mv)
+		if ok {
+			views = append(views, v)
 		}
-		views = append(views, v)
 	}
 	return views, nil
+}
+
+// viewIdentifier reads one identifier, its state and counters and its
+// members, in one hold of its lock: one moment. ok is false for an
+// identifier whose last member left meanwhile.
+func viewIdentifier(store *membership.Store, pinRoot string, id podid.ID) (v identifierView, ok bool, err error) {
+	lock, err := store.Lock(id)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return v, false, nil
+	}
+	if err != nil {
+		return v, false, err
+	}
+	defer lock.Unlock()
+	v = identifierView{ID: id, Members: []memberView{}, Isolated: []string{}, Tiers: []string{}}
+	info, err := bpf.InspectIdentifier(pinRoot, id)
+	if err != nil {
+		v.Error = err.Error()
+	} else {
+		v.Generation, v.Mode, v.Layout = info.Generation, string(info.Mode), info.Layout
+		for d, name := range []string{"ingress", "egress"} {
+			if info.Isolated[d] {
+				v.Isolated = append(v.Isolated, name)
+			}
+			if info.Admin[d] {
+				v.Tiers = append(v.Tiers, "admin/"+name)
+			}
+			if info.Baseline[d] {
+				v.Tiers = append(v.Tiers, "baseline/"+name)
+			}
+		}
+		v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()
+	}
+	sc, err := lock.Scan()
+	if err != nil {
+		return v, false, err
+	}
+	v.Unreadable = sc.Unreadable
+	for _, m := range sc.Members {
+		mv := memberView{ContainerID: m.ContainerID, IfName: m.IfName, HostVeth: m.HostVeth,
+			HostIfindex: m.HostIfindex, AttachMode: m.AttachMode, IPs: []string{}}
+		for _, p := range m.IPs {
+			mv.IPs = append(mv.IPs, p.String())
+		}
+		mv.VethPresent, _ = lifecycle.VethPresent(m)
+		if mv.VethPresent && info.Ingress != 0 {
+			mv.Attached = attached(m.HostIfindex, attach.HookEgress, info.Ingress) &&
+				attached(m.HostIfindex, attach.HookIngress, info.Egress)
+		}
+		v.Members = append(v.Members, mv)
+	}
+	return v, true, nil
 }
 
 // identCounters are an identifier's packet counts.
