@@ -2,21 +2,15 @@ package main
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/netip"
-	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
-	"github.com/cilium/ebpf"
-
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/ipproto"
-	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/nodeaddr"
@@ -74,9 +68,13 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	if err := checkPinRoot(c.pinRoot, false); err != nil {
 		return err
 	}
-	views, err := listIdentifiers(c.pinRoot)
+	idents, err := readNode(c.pinRoot)
 	if err != nil {
 		return err
+	}
+	views := []identifierView{}
+	for _, s := range idents {
+		views = append(views, s.view())
 	}
 	ps, recorded, err := sweep.ReadPolicyStatus(c.pinRoot)
 	if err != nil {
@@ -148,79 +146,6 @@ func shortID(id string) string {
 	return id
 }
 
-// listIdentifiers reads every identifier and its members, under each
-// identifier's lock, so that a member half-added is never shown.
-func listIdentifiers(pinRoot string) ([]identifierView, error) {
-	store := membership.New(pinRoot)
-	ids, err := store.Identifiers()
-	if err != nil {
-		return nil, err
-	}
-	views := []identifierView{}
-	for _, id := range ids {
-		v, ok, err := viewIdentifier(store, pinRoot, id)
-		if err != nil {
-			return nil, err
-		}
-		if ok {
-			views = append(views, v)
-		}
-	}
-	return views, nil
-}
-
-// viewIdentifier reads one identifier, its state and counters and its
-// members, in one hold of its lock: one moment. ok is false for an
-// identifier whose last member left meanwhile.
-func viewIdentifier(store *membership.Store, pinRoot string, id podid.ID) (v identifierView, ok bool, err error) {
-	lock, err := store.Lock(id)
-	if errors.Is(err, membership.ErrNoIdentifier) {
-		return v, false, nil
-	}
-	if err != nil {
-		return v, false, err
-	}
-	defer lock.Unlock()
-	v = identifierView{ID: id, Members: []memberView{}, Isolated: []string{}, Tiers: []string{}}
-	info, err := bpf.InspectIdentifier(pinRoot, id)
-	if err != nil {
-		v.Error = err.Error()
-	} else {
-		v.Generation, v.Mode, v.Layout = info.Generation, string(info.Mode), info.Layout
-		for d, name := range []string{"ingress", "egress"} {
-			if info.Isolated[d] {
-				v.Isolated = append(v.Isolated, name)
-			}
-			if info.Admin[d] {
-				v.Tiers = append(v.Tiers, "admin/"+name)
-			}
-			if info.Baseline[d] {
-				v.Tiers = append(v.Tiers, "baseline/"+name)
-			}
-		}
-		v.Allowed, v.Denied = info.Counters.Allowed(), info.Counters.Denied()
-	}
-	sc, err := lock.Scan()
-	if err != nil {
-		return v, false, err
-	}
-	v.Unreadable = sc.Unreadable
-	for _, m := range sc.Members {
-		mv := memberView{ContainerID: m.ContainerID, IfName: m.IfName, HostVeth: m.HostVeth,
-			HostIfindex: m.HostIfindex, AttachMode: m.AttachMode, IPs: []string{}}
-		for _, p := range m.IPs {
-			mv.IPs = append(mv.IPs, p.String())
-		}
-		mv.VethPresent, _ = lifecycle.VethPresent(m)
-		if mv.VethPresent && info.Ingress != 0 {
-			mv.Attached = attached(m.HostIfindex, attach.HookEgress, info.Ingress) &&
-				attached(m.HostIfindex, attach.HookIngress, info.Egress)
-		}
-		v.Members = append(v.Members, mv)
-	}
-	return v, true, nil
-}
-
 // identCounters are an identifier's packet counts.
 type identCounters struct {
 	ID              podid.ID
@@ -247,11 +172,6 @@ func readCounters(pinRoot string) ([]identCounters, error) {
 	return out, nil
 }
 
-func attached(ifindex int, h attach.Hook, want ebpf.ProgramID) bool {
-	ids, err := attach.Attached(ifindex, h)
-	return err == nil && slices.Contains(ids, want)
-}
-
 // entryView is one conntrack entry as dump and sweep show it.
 type entryView struct {
 	Family     int    `json:"family"`
@@ -267,22 +187,7 @@ type entryView struct {
 	Reason     string `json:"reason,omitempty"`
 }
 
-// owners maps host ifindexes to "identifier/container".
-func owners(pinRoot string) map[uint32]string {
-	out := map[uint32]string{}
-	views, err := listIdentifiers(pinRoot)
-	if err != nil {
-		return out
-	}
-	for _, v := range views {
-		for _, m := range v.Members {
-			out[uint32(m.HostIfindex)] = string(v.ID) + "/" + shortID(m.ContainerID)
-		}
-	}
-	return out
-}
-
-func viewEntry(e *bpf.CTEntry, now time.Duration, own map[uint32]string) entryView {
+func viewEntry(e *bpf.CTEntry, now time.Duration, own map[uint32]owner) entryView {
 	flags := []string{}
 	if e.Value.Flags&bpf.CTEgress != 0 {
 		flags = append(flags, "pod-opened")
@@ -298,7 +203,7 @@ func viewEntry(e *bpf.CTEntry, now time.Duration, own map[uint32]string) entryVi
 		Pod:        e.Key.SrcAddrPort().String(),
 		Peer:       e.Key.DstAddrPort().String(),
 		Ifindex:    e.Ifindex,
-		Owner:      own[e.Ifindex],
+		Owner:      own[e.Ifindex].String(),
 		AgeSeconds: fmt.Sprintf("%.1fs", (now - e.LastSeen()).Seconds()),
 		Generation: e.Value.Generation,
 		Flags:      strings.Join(flags, ","),
@@ -336,7 +241,7 @@ func cmdDumpConntrack(args []string, stdout, stderr io.Writer) error {
 				continue
 			}
 			v := viewEntry(e, now, own)
-			if *pod != "" && !ownerMatches(v.Owner, *pod) {
+			if *pod != "" && !own[e.Ifindex].matches(*pod) {
 				continue
 			}
 			views = append(views, v)
@@ -350,12 +255,6 @@ func cmdDumpConntrack(args []string, stdout, stderr io.Writer) error {
 		return writeJSON(stdout, views)
 	}
 	return writeEntries(stdout, views, false)
-}
-
-// ownerMatches: "identifier/container" against a prefix of either part.
-func ownerMatches(owner, prefix string) bool {
-	id, ctr, _ := strings.Cut(owner, "/")
-	return owner != "" && (strings.HasPrefix(id, prefix) || strings.HasPrefix(ctr, prefix))
 }
 
 func writeEntries(w io.Writer, views []entryView, decisions bool) error {

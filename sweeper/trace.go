@@ -182,7 +182,7 @@ type resolver struct {
 type memberOf struct {
 	id       podid.ID
 	mode     policy.Mode
-	member   memberView
+	member   memberState
 	policies []string
 	set      *policy.Set
 }
@@ -196,7 +196,7 @@ func newResolver(pinRoot, policyDir string) *resolver {
 func (r *resolver) refresh() {
 	r.read = time.Now()
 	r.byIfindex = map[uint32]memberOf{}
-	views, err := listIdentifiers(r.pinRoot)
+	idents, err := readNode(r.pinRoot)
 	if err != nil {
 		return
 	}
@@ -204,10 +204,10 @@ func (r *resolver) refresh() {
 	if dir, err := policy.ReadDir(r.policyDir); err == nil {
 		r.docs, r.cluster = dir.Documents(), dir.ClusterDocuments()
 	}
-	for _, v := range views {
-		set := policy.ForIdentifier(r.docs, v.ID, policy.Mode(v.Mode)).WithCluster(r.cluster, v.ID)
-		for _, m := range v.Members {
-			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: v.ID, mode: policy.Mode(v.Mode), member: m, policies: set.Sources, set: &set}
+	for _, s := range idents {
+		set := policy.ForIdentifier(r.docs, s.ID, s.Info.Mode).WithCluster(r.cluster, s.ID)
+		for _, m := range s.Members {
+			r.byIfindex[uint32(m.HostIfindex)] = memberOf{id: s.ID, mode: s.Info.Mode, member: m, policies: set.Sources, set: &set}
 		}
 	}
 }

@@ -67,11 +67,11 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer g.Close()
-	views, err := listIdentifiers(c.pinRoot)
+	idents, err := readNode(c.pinRoot)
 	if err != nil {
 		return err
 	}
-	mode, member, podAddr, err := q.member(views)
+	mode, member, podAddr, err := q.member(idents)
 	if err != nil {
 		return err
 	}
@@ -112,7 +112,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		Src:      netip.AddrPortFrom(pkt.Src, pkt.SrcPort).String(), Dst: netip.AddrPortFrom(pkt.Dst, pkt.DstPort).String(),
 		Verdict: "allow", Reason: reason.String(), reason: reason,
 		Explanation: policy.Explain(docs, q.id, mode, q.dir, q.peer, q.proto, q.port),
-		own:         member.IPs}
+		own:         prefixStrings(member.IPs)}
 	if reason.Tier() != "" {
 		res.Tier = newTierRef(reason.Tier(), decision.Rule)
 	}
@@ -291,22 +291,31 @@ func parseWhy(pod, from, to, source string, rest []string) (whyQuery, error) {
 
 // member finds the identifier's mode, a member of it whose veth is present,
 // and that member's address of the peer's family.
-func (q whyQuery) member(views []identifierView) (policy.Mode, memberView, netip.Addr, error) {
-	for _, v := range views {
-		if v.ID != q.id {
+func (q whyQuery) member(idents []identState) (policy.Mode, memberState, netip.Addr, error) {
+	for _, s := range idents {
+		if s.ID != q.id {
 			continue
 		}
-		for _, m := range v.Members {
+		for _, m := range s.Members {
 			if !m.VethPresent {
 				continue
 			}
-			for _, s := range m.IPs {
-				if p, err := netip.ParsePrefix(s); err == nil && p.Addr().Is4() == q.peer.Is4() {
-					return policy.Mode(v.Mode), m, p.Addr(), nil
+			for _, p := range m.IPs {
+				if p.Addr().Is4() == q.peer.Is4() {
+					return s.Info.Mode, m, p.Addr(), nil
 				}
 			}
 		}
-		return "", memberView{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
+		return "", memberState{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
 	}
-	return "", memberView{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
+	return "", memberState{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
+}
+
+// prefixStrings prints addresses as the member record has them.
+func prefixStrings(ps []netip.Prefix) []string {
+	out := make([]string, 0, len(ps))
+	for _, p := range ps {
+		out = append(out, p.String())
+	}
+	return out
 }
