@@ -9,6 +9,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
 )
@@ -29,7 +31,7 @@ func newHarness(tb testing.TB) *harness {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { g.Close() })
-	id, err := OpenIdentifier(g, root, "web-7f65cc6544@default")
+	id, err := OpenIdentifier(g, identDir(root, "web-7f65cc6544@default"), "web-7f65cc6544@default")
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -220,3 +222,6 @@ func onOneCPU(tb testing.TB) (restore func()) {
 		runtime.UnlockOSThread()
 	}
 }
+
+// identDir is id's directory below root, as the pin root's owner gives it.
+func identDir(root string, id podid.ID) string { return pinpath.Root(root).Identifier(id) }

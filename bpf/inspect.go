@@ -6,7 +6,6 @@ import (
 
 	"github.com/cilium/ebpf"
 
-	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -47,13 +46,12 @@ func (c Counters) sum(verdict uint32) (n uint64) {
 	return n
 }
 
-// InspectIdentifier reads an identifier's state, counters and program IDs
-// from its pins without loading, creating or changing anything (the
+// InspectIdentifier reads the state, counters and program IDs of
+// identifier id from its pins in dir without loading, creating or changing anything (the
 // sweeper's ls and metrics). Pins of another layout are refused
 // (ErrIncompatiblePin).
-func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
+func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	info := IdentifierInfo{ID: id}
-	dir := pinpath.Root(pinRoot).Identifier(id)
 	open := func(name string) (*ebpf.Map, error) {
 		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
@@ -93,6 +91,6 @@ func InspectIdentifier(pinRoot string, id podid.ID) (IdentifierInfo, error) {
 	if mk, ok, err := readMarker(dir); err == nil && ok {
 		info.Layout = mk.String()
 	}
-	info.Ingress, info.Egress, err = PinnedProgramIDs(pinRoot, id)
+	info.Ingress, info.Egress, err = PinnedProgramIDs(dir)
 	return info, err
 }

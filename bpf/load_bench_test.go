@@ -21,27 +21,27 @@ func BenchmarkOpenIdentifier(b *testing.B) {
 	b.Run("first", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
 			id := podid.ID(fmt.Sprintf("web-%d@default", i))
-			ident, err := OpenIdentifier(g, root, id)
+			ident, err := OpenIdentifier(g, identDir(root, id), id)
 			if err != nil {
 				b.Fatal(err)
 			}
 			ident.Close()
 			b.StopTimer()
-			if err := RemoveIdentifier(root, id); err != nil {
+			if err := RemoveIdentifier(identDir(root, id)); err != nil {
 				b.Fatal(err)
 			}
 			b.StartTimer()
 		}
 	})
 	b.Run("reuse", func(b *testing.B) {
-		ident, err := OpenIdentifier(g, root, "web@default")
+		ident, err := OpenIdentifier(g, identDir(root, "web@default"), "web@default")
 		if err != nil {
 			b.Fatal(err)
 		}
 		ident.Close()
 		b.ResetTimer()
 		for i := 0; i < b.N; i++ {
-			ident, err := OpenIdentifier(g, root, "web@default")
+			ident, err := OpenIdentifier(g, identDir(root, "web@default"), "web@default")
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -326,15 +326,17 @@ type Identifier struct {
 	Tiers *ebpf.Map
 }
 
-// OpenIdentifier returns the programs and maps of id, reusing its pins when
-// they exist and are compatible, loading and pinning them otherwise. The
+// OpenIdentifier returns the programs and maps of id pinned in dir, its
+// directory (the one its membership lock holds: package bpf never works out
+// where an identifier lives), reusing its pins when they exist and are
+// compatible, loading and pinning them otherwise. The
 // caller must serialise calls for the same identifier (the CNI plugin holds
 // the identifier's lock); a fresh identifier allows everything until
 // ApplyPolicy programs it. Pins that an earlier layout made, or programs
 // that do not use the node's maps, are refused (ErrIncompatiblePin):
 // RenewIdentifier takes them over.
-func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error) {
-	ident, _, err := openIdentifier(g, pinRoot, id, false)
+func OpenIdentifier(g *Global, dir string, id podid.ID) (*Identifier, error) {
+	ident, _, err := openIdentifier(g, dir, id, false)
 	return ident, err
 }
 
@@ -342,12 +344,8 @@ func OpenIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error)
 // creating, loading or writing anything: for a caller that runs or reads
 // what the node has (why, adoption's seeding of a pod the plugin just
 // added). Missing pins, and pins this build would have to take over, are
-// errors. The caller holds the identifier's lock.
-func OpenExistingIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, error) {
-	if !podid.Valid(string(id)) {
-		return nil, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
-	}
-	dir := pinpath.Root(pinRoot).Identifier(id)
+// errors. The caller holds the identifier's lock; dir is its directory.
+func OpenExistingIdentifier(g *Global, dir string, id podid.ID) (*Identifier, error) {
 	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, openMode{existing: true, errRenew: errIdentifierRenewal})
 	if err != nil {
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
@@ -401,17 +399,16 @@ func (i *Identifier) MembersMoved() error {
 // other maps than the node's and the identifier's, are replaced by this
 // build's. Only pins this build cannot take over are refused
 // (ErrIncompatiblePin; a later layout's, ErrNewerLayout).
-func RenewIdentifier(g *Global, pinRoot string, id podid.ID) (*Identifier, Renewal, error) {
-	return openIdentifier(g, pinRoot, id, true)
+func RenewIdentifier(g *Global, dir string, id podid.ID) (*Identifier, Renewal, error) {
+	return openIdentifier(g, dir, id, true)
 }
 
 var errIdentifierRenewal = fmt.Errorf("%w: the pin is another layout's (podfence-sweeper upgrade moves the identifier to this build)", ErrIncompatiblePin)
 
-func openIdentifier(g *Global, pinRoot string, id podid.ID, renew bool) (*Identifier, Renewal, error) {
-	if !podid.Valid(string(id)) {
-		return nil, Renewal{}, fmt.Errorf("open identifier %q: %w", id, podid.ErrInvalid)
+func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier, Renewal, error) {
+	if dir == "" {
+		return nil, Renewal{}, fmt.Errorf("open identifier %q: no directory", id)
 	}
-	dir := pinpath.Root(pinRoot).Identifier(id)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, Renewal{}, fmt.Errorf("create pin directory: %w", err)
 	}
@@ -693,16 +690,15 @@ func (i *Identifier) Close() error {
 	return errors.Join(err, closeAll(i.Ingress, i.Egress))
 }
 
-// RemoveObjects removes id's pinned programs and maps but leaves its
-// directory (the membership lock's) and what else it holds, so that the
+// RemoveObjects removes the pinned programs and maps of an identifier's
+// directory dir but leaves dir (the membership lock's) and what else it holds, so that the
 // next OpenIdentifier loads them afresh. Only a caller that knows no member
 // uses them may call it: attached hooks keep the old objects alive, but
 // they would no longer be the identifier's.
-func RemoveObjects(pinRoot string, id podid.ID) error {
-	if !podid.Valid(string(id)) {
-		return fmt.Errorf("remove objects of %q: %w", id, podid.ErrInvalid)
+func RemoveObjects(dir string) error {
+	if dir == "" {
+		return errors.New("remove objects: no directory")
 	}
-	dir := pinpath.Root(pinRoot).Identifier(id)
 	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress}, identifierMaps...) // programs first, as in RemoveIdentifier
 	pins = append(pins, pinpath.Layout)
 	for _, pin := range pins {
@@ -710,25 +706,26 @@ func RemoveObjects(pinRoot string, id podid.ID) error {
 		// leaves the temporary, which holds its object alive too.
 		for _, name := range []string{pin, pinfs.TempName(pin)} {
 			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return fmt.Errorf("remove objects of %q: %w", id, err)
+				return fmt.Errorf("remove objects: %w", err)
 			}
 		}
 	}
 	return nil
 }
 
-// RemoveIdentifier removes every pin of id. Attached hooks keep their
+// RemoveIdentifier removes an identifier's directory dir and every pin in
+// it. Attached hooks keep their
 // programs alive until they are detached; call it only once no member is left.
-func RemoveIdentifier(pinRoot string, id podid.ID) error {
+func RemoveIdentifier(dir string) error {
 	// The programs go first (RemoveObjects). A removal killed midway then
 	// leaves maps without programs, which the next OpenIdentifier
 	// completes; programs whose maps are no longer pinned it would refuse
 	// (ErrIncompatiblePin).
-	if err := RemoveObjects(pinRoot, id); err != nil {
+	if err := RemoveObjects(dir); err != nil {
 		return err
 	}
-	if err := os.RemoveAll(pinpath.Root(pinRoot).Identifier(id)); err != nil {
-		return fmt.Errorf("remove identifier %q: %w", id, err)
+	if err := os.RemoveAll(dir); err != nil {
+		return fmt.Errorf("remove identifier: %w", err)
 	}
 	return nil
 }
@@ -751,22 +748,22 @@ func closeAll[T interface{ Close() error }](objs ...T) error {
 	return first
 }
 
-// PinnedProgramIDs returns the IDs of id's pinned programs without loading
+// PinnedProgramIDs returns the IDs of the programs pinned in an
+// identifier's directory dir without loading
 // or creating anything (CNI CHECK, the sweeper's ls).
-func PinnedProgramIDs(pinRoot string, id podid.ID) (ingress, egress ebpf.ProgramID, err error) {
-	dir := pinpath.Root(pinRoot).Identifier(id)
+func PinnedProgramIDs(dir string) (ingress, egress ebpf.ProgramID, err error) {
 	for _, p := range []struct {
 		pin string
 		out *ebpf.ProgramID
 	}{{pinpath.ProgIngress, &ingress}, {pinpath.ProgEgress, &egress}} {
 		prog, err := ebpf.LoadPinnedProgram(filepath.Join(dir, p.pin), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
-			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
+			return 0, 0, fmt.Errorf("program pin: %w", err)
 		}
 		*p.out, err = objinfo.ProgramID(prog)
 		prog.Close()
 		if err != nil {
-			return 0, 0, fmt.Errorf("program pin of %q: %w", id, err)
+			return 0, 0, fmt.Errorf("program pin: %w", err)
 		}
 	}
 	return ingress, egress, nil

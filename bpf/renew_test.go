@@ -271,14 +271,14 @@ func TestRenewIdentifier(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if _, err := OpenIdentifier(g, root, id); !errors.Is(err, ErrIncompatiblePin) {
+	if _, err := OpenIdentifier(g, identDir(root, id), id); !errors.Is(err, ErrIncompatiblePin) {
 		t.Fatalf("OpenIdentifier of an earlier build's pins: %v, want ErrIncompatiblePin", err)
 	}
-	if in, _, err := PinnedProgramIDs(root, id); err != nil || in != progID(t, old.Ingress) {
+	if in, _, err := PinnedProgramIDs(identDir(root, id)); err != nil || in != progID(t, old.Ingress) {
 		t.Fatalf("the refusal changed the program pins: %d, %v", in, err)
 	}
 
-	ident, rn, err := RenewIdentifier(g, root, id)
+	ident, rn, err := RenewIdentifier(g, identDir(root, id), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -333,7 +333,7 @@ func TestRenewIdentifier(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		again, rn, err := RenewIdentifier(g, root, id)
+		again, rn, err := RenewIdentifier(g, identDir(root, id), id)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -423,7 +423,7 @@ func TestNewerLayoutRefused(t *testing.T) {
 	if err := writeMarker(dir, newer); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := RenewIdentifier(g, root, id); !errors.Is(err, ErrNewerLayout) {
+	if _, _, err := RenewIdentifier(g, identDir(root, id), id); !errors.Is(err, ErrNewerLayout) {
 		t.Errorf("renew an identifier of layout %d: %v, want ErrNewerLayout", newer.version, err)
 	}
 	if entries, _ := os.ReadDir(dir); len(entries) != 1 {
@@ -462,7 +462,7 @@ func TestRenewLayout1(t *testing.T) {
 		t.Fatalf("layout 1 pins hold a sources map: %v", err)
 	}
 
-	ident, rn, err := RenewIdentifier(g, root, id)
+	ident, rn, err := RenewIdentifier(g, identDir(root, id), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -501,14 +501,14 @@ func TestOpenExistingIdentifier(t *testing.T) {
 	root, g := openGlobal(t)
 	id := podid.ID("web-7f65cc6544@default")
 	dir := pinpath.Root(root).Identifier(id)
-	if _, err := OpenExistingIdentifier(g, root, id); !errors.Is(err, errNotPinned) {
+	if _, err := OpenExistingIdentifier(g, identDir(root, id), id); !errors.Is(err, errNotPinned) {
 		t.Fatalf("open an identifier nothing pinned: %v, want errNotPinned", err)
 	}
 	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the open made %s (%v)", dir, err)
 	}
 
-	added, err := OpenIdentifier(g, root, id)
+	added, err := OpenIdentifier(g, identDir(root, id), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -535,7 +535,7 @@ func TestOpenExistingIdentifier(t *testing.T) {
 		return out
 	}
 	pins := names()
-	got, err := OpenExistingIdentifier(g, root, id)
+	got, err := OpenExistingIdentifier(g, identDir(root, id), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -547,7 +547,7 @@ func TestOpenExistingIdentifier(t *testing.T) {
 	if err := os.Remove(filepath.Join(dir, pinpath.ProgEgress)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := OpenExistingIdentifier(g, root, id); !errors.Is(err, errNotPinned) {
+	if _, err := OpenExistingIdentifier(g, identDir(root, id), id); !errors.Is(err, errNotPinned) {
 		t.Errorf("open with a program pin missing: %v, want errNotPinned", err)
 	}
 	if after := names(); len(after) != len(pins)-1 {

@@ -139,7 +139,8 @@ func BenchmarkClusterChange(b *testing.B) {
 	deny.Cluster.Admin[policy.Egress] = deny.Cluster.Admin[policy.Ingress]
 	var ids []*Identifier
 	for i := range identifiers {
-		id, err := OpenIdentifier(g, root, podid.ID(fmt.Sprintf("app-%d@default", i)))
+		name := podid.ID(fmt.Sprintf("app-%d@default", i))
+		id, err := OpenIdentifier(g, identDir(root, name), name)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/sweep"
@@ -163,7 +164,7 @@ func readCounters(pinRoot string) ([]identCounters, error) {
 	}
 	var out []identCounters
 	for _, id := range ids {
-		info, err := bpf.InspectIdentifier(pinRoot, id)
+		info, err := bpf.InspectIdentifier(pinpath.Root(pinRoot).Identifier(id), id)
 		if err != nil {
 			continue
 		}

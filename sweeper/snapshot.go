@@ -69,7 +69,7 @@ func readIdentifier(store *membership.Store, pinRoot string, id podid.ID) (s ide
 	}
 	defer lock.Unlock()
 	s.ID = id
-	s.Info, s.InfoErr = bpf.InspectIdentifier(pinRoot, id)
+	s.Info, s.InfoErr = bpf.InspectIdentifier(lock.Dir(), id)
 	sc, err := lock.Scan()
 	if err != nil {
 		return s, false, err

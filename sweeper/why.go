@@ -89,7 +89,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	}
 	defer lock.Unlock()
 	// why changes nothing on the node: it runs what is pinned.
-	ident, err := bpf.OpenExistingIdentifier(g, c.pinRoot, q.id)
+	ident, err := bpf.OpenExistingIdentifier(g, lock.Dir(), q.id)
 	if err != nil {
 		return err
 	}

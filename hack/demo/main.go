@@ -321,7 +321,7 @@ func (d *demo) showIdentifier(id string) error {
 	if err != nil {
 		return err
 	}
-	ingress, egress, err := bpf.PinnedProgramIDs(d.pinRoot, podid.ID(id))
+	ingress, egress, err := bpf.PinnedProgramIDs(lock.Dir())
 	if err != nil {
 		return err
 	}

@@ -142,7 +142,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		return r, nil
 	}
 	for _, sb := range adopted {
-		s, err := seed(o.Global, pinRoot, store, sb, flows)
+		s, err := seed(o.Global, store, sb, flows)
 		r.Seeded.Allowed += s.Allowed
 		r.Seeded.Denied += s.Denied
 		if err != nil {

@@ -46,7 +46,7 @@ func kernelFlows() ([]ctnetlink.Flow, error) {
 // the destination); one opened to it has the pod as the reply's source
 // (after the DNAT of a Service), and its packets reach the pod from the
 // reply's destination (after any SNAT).
-func seed(g *bpf.Global, pinRoot string, store *membership.Store, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
+func seed(g *bpf.Global, store *membership.Store, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
 	var s Seeded
 	id, err := store.FindContainer(sb.ID, IfName)
 	if err != nil {
@@ -61,7 +61,7 @@ func seed(g *bpf.Global, pinRoot string, store *membership.Store, sb Sandbox, fl
 	if err != nil {
 		return s, err
 	}
-	ident, err := bpf.OpenExistingIdentifier(g, pinRoot, id)
+	ident, err := bpf.OpenExistingIdentifier(g, lock.Dir(), id)
 	if err != nil {
 		return s, err
 	}

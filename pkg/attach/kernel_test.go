@@ -19,6 +19,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -92,7 +93,7 @@ func newEnv(t *testing.T, m Mode) *env {
 
 func (e *env) identifier(name podid.ID) *bpf.Identifier {
 	e.t.Helper()
-	id, err := bpf.OpenIdentifier(e.g, e.root, name)
+	id, err := bpf.OpenIdentifier(e.g, pinpath.Root(e.root).Identifier(name), name)
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -418,7 +419,7 @@ func TestTCXPinOutlivesProcess(t *testing.T) {
 
 	e.id.Close()
 	e.g.Close()
-	if err := bpf.RemoveIdentifier(e.root, e.id.ID); err != nil {
+	if err := bpf.RemoveIdentifier(e.id.Dir); err != nil {
 		t.Fatal(err)
 	}
 	runtime.GC()

@@ -138,7 +138,7 @@ func setSources(m membership.Member, ident *bpf.Identifier) error {
 // RemoveIfUnused removes the identifier's pins when it has no member left,
 // and says whether it did. A member whose record cannot be read keeps them:
 // it may be a live pod whose record another version of podfence wrote.
-func RemoveIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
+func RemoveIfUnused(lock *membership.Lock) (bool, error) {
 	sc, err := lock.Scan()
 	if err != nil {
 		return false, wrap(ErrState, err)
@@ -146,7 +146,7 @@ func RemoveIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
 	if sc.InUse() {
 		return false, nil
 	}
-	if err := bpf.RemoveIdentifier(pinRoot, lock.ID); err != nil {
+	if err := bpf.RemoveIdentifier(lock.Dir()); err != nil {
 		return false, wrap(ErrDatapath, err)
 	}
 	return true, nil
@@ -157,7 +157,7 @@ func RemoveIfUnused(pinRoot string, lock *membership.Lock) (bool, error) {
 // attached does either (see package membership), so they are replaced and
 // replaced is true. With members they stay, and the error wraps
 // incompatible's: a live datapath is never swapped silently.
-func ReplaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, incompatible error) (ident *bpf.Identifier, replaced bool, err error) {
+func ReplaceUnusedObjects(g *bpf.Global, lock *membership.Lock, incompatible error) (ident *bpf.Identifier, replaced bool, err error) {
 	sc, err := lock.Scan()
 	if err != nil {
 		return nil, false, wrap(ErrState, errors.Join(incompatible, err))
@@ -166,10 +166,10 @@ func ReplaceUnusedObjects(g *bpf.Global, pinRoot string, lock *membership.Lock, 
 		return nil, false, fmt.Errorf("%w: %w (in use by %d members; it is replaced once they are gone)",
 			ErrDatapath, incompatible, len(sc.Members)+len(sc.Unreadable))
 	}
-	if err := bpf.RemoveObjects(pinRoot, lock.ID); err != nil {
+	if err := bpf.RemoveObjects(lock.Dir()); err != nil {
 		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
 	}
-	ident, err = bpf.OpenIdentifier(g, pinRoot, lock.ID)
+	ident, err = bpf.OpenIdentifier(g, lock.Dir(), lock.ID)
 	if err != nil {
 		return nil, false, wrap(ErrDatapath, err)
 	}
@@ -195,7 +195,7 @@ type Collected struct {
 //
 // Without a record nothing can be detached, but the member's link pins go
 // with its directory (invariant 1: nothing else was attached for it).
-func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) (Collected, error) {
+func Collect(store *membership.Store, id podid.ID, stale Stale) (Collected, error) {
 	var out Collected
 	lock, err := store.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
@@ -233,7 +233,7 @@ func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) 
 			out.Keys = append(out.Keys, key)
 		}
 	}
-	out.Identifier, err = RemoveIfUnused(pinRoot, lock)
+	out.Identifier, err = RemoveIfUnused(lock)
 	return out, err
 }
 
@@ -245,9 +245,9 @@ func Collect(pinRoot string, store *membership.Store, id podid.ID, stale Stale) 
 // identifier's pins and what its members run agree again. A member that
 // cannot be moved is not the caller's failure: it is reported in
 // Upgraded.Unmoved, and the next OpenIdentifier tries again.
-func OpenIdentifier(g *bpf.Global, pinRoot string, lock *membership.Lock) (*bpf.Identifier, Upgraded, error) {
+func OpenIdentifier(g *bpf.Global, lock *membership.Lock) (*bpf.Identifier, Upgraded, error) {
 	up := Upgraded{ID: lock.ID}
-	ident, rn, err := bpf.RenewIdentifier(g, pinRoot, lock.ID)
+	ident, rn, err := bpf.RenewIdentifier(g, lock.Dir(), lock.ID)
 	up.Renewal = rn
 	if err != nil {
 		return nil, up, wrap(ErrDatapath, err)
@@ -423,7 +423,7 @@ func upgradeOne(g *bpf.Global, store *membership.Store, id podid.ID) (*Upgraded,
 	if !sc.InUse() {
 		return nil, nil
 	}
-	ident, up, err := OpenIdentifier(g, store.Root(), lock)
+	ident, up, err := OpenIdentifier(g, lock)
 	if err != nil {
 		return nil, err
 	}
@@ -466,7 +466,7 @@ func RemoveAll(store *membership.Store) (Removed, error) {
 			errs = append(errs, wrap(ErrState, err))
 			continue
 		}
-		n, removed, err := removeIdentifier(store.Root(), lock)
+		n, removed, err := removeIdentifier(lock)
 		lock.Unlock()
 		r.Members += n
 		switch {
@@ -483,7 +483,7 @@ func RemoveAll(store *membership.Store) (Removed, error) {
 
 // removeIdentifier removes the locked identifier's members, then its pins
 // when no unreadable record is left.
-func removeIdentifier(pinRoot string, lock *membership.Lock) (members int, removed bool, err error) {
+func removeIdentifier(lock *membership.Lock) (members int, removed bool, err error) {
 	sc, err := lock.Scan()
 	if err != nil {
 		return 0, false, wrap(ErrState, err)
@@ -494,6 +494,6 @@ func removeIdentifier(pinRoot string, lock *membership.Lock) (members int, remov
 		}
 		members++
 	}
-	removed, err = RemoveIfUnused(pinRoot, lock)
+	removed, err = RemoveIfUnused(lock)
 	return members, removed, err
 }

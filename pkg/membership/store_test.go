@@ -143,7 +143,7 @@ func TestLockWaiterRelocksRemovedDirectory(t *testing.T) {
 	waiter := lockAsync(s, testID, true)
 	waitBlocked(t, old)
 
-	if err := bpf.RemoveIdentifier(s.Root(), testID); err != nil {
+	if err := bpf.RemoveIdentifier(pinpath.Root(s.Root()).Identifier(testID)); err != nil {
 		t.Fatal(err)
 	}
 	holder.Unlock()
@@ -198,7 +198,7 @@ func TestLockWaiterWithoutCreate(t *testing.T) {
 	}
 	waiter := lockAsync(s, testID, false)
 	waitBlocked(t, inode(t, holder.Dir()))
-	if err := bpf.RemoveIdentifier(s.Root(), testID); err != nil {
+	if err := bpf.RemoveIdentifier(pinpath.Root(s.Root()).Identifier(testID)); err != nil {
 		t.Fatal(err)
 	}
 	holder.Unlock()
@@ -252,7 +252,7 @@ func holdAndCheck(s *Store, id podid.ID, rng *rand.Rand, container string) error
 		if err := os.Remove(marker); err != nil {
 			return err
 		}
-		return bpf.RemoveIdentifier(s.Root(), id)
+		return bpf.RemoveIdentifier(pinpath.Root(s.Root()).Identifier(id))
 	}
 	if err := l.Remove(m.Key()); err != nil {
 		return err

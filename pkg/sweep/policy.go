@@ -119,7 +119,7 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Dig
 			}
 			// Opened through lifecycle: it takes over pins of an
 			// earlier build.
-			ident, up, err := lifecycle.OpenIdentifier(g, pinRoot, lock)
+			ident, up, err := lifecycle.OpenIdentifier(g, lock)
 			if err != nil {
 				return err
 			}

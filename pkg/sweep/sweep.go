@@ -291,7 +291,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			}
 			return now.Sub(since) >= s.opts.OrphanGrace
 		}
-		c, err := lifecycle.Collect(s.opts.PinRoot, s.store, id, stale)
+		c, err := lifecycle.Collect(s.store, id, stale)
 		for _, m := range c.Members {
 			orphans = append(orphans, Orphan{ID: id, Member: m, Identifier: c.Identifier})
 			delete(s.missingSince, string(id)+"/"+m.Key())

@@ -97,7 +97,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	// the order they hold it, so an older reading never overwrites a newer.
 	set, err := readPolicy(conf, id)
 	if err != nil {
-		if _, cerr := lifecycle.RemoveIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := lifecycle.RemoveIfUnused(lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -120,7 +120,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		if cerr := lifecycle.RemoveMember(lock, member); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
-		if _, cerr := lifecycle.RemoveIfUnused(conf.PinRoot, lock); cerr != nil {
+		if _, cerr := lifecycle.RemoveIfUnused(lock); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -146,7 +146,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	// Pins of an earlier build are taken over here, and the identifier's
 	// members moved onto this build's programs, so a new pod never runs
 	// an older datapath than the plugin that added it.
-	ident, up, err := lifecycle.OpenIdentifier(g, conf.PinRoot, lock)
+	ident, up, err := lifecycle.OpenIdentifier(g, lock)
 	if up.Changed() {
 		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v, %d members moved", up.Renewal.From, up.Renewal.Maps, up.Renewal.Programs, up.Moved)
 		if up.Unmoved != nil {
@@ -156,7 +156,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	if errors.Is(err, bpf.ErrIncompatiblePin) {
 		incompatible := err
 		var replaced bool
-		if ident, replaced, err = lifecycle.ReplaceUnusedObjects(g, conf.PinRoot, lock, incompatible); replaced {
+		if ident, replaced, err = lifecycle.ReplaceUnusedObjects(g, lock, incompatible); replaced {
 			call.replaced = incompatible.Error()
 		}
 	}
@@ -300,7 +300,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	default:
 		return types.NewError(errState, err.Error(), "")
 	}
-	if _, err := lifecycle.RemoveIfUnused(conf.PinRoot, lock); err != nil {
+	if _, err := lifecycle.RemoveIfUnused(lock); err != nil {
 		return cniError(err, errState)
 	}
 	call.mark("remove-unused")
@@ -330,7 +330,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return types.NewError(errState, err.Error(), "")
 	}
 	call.veth = m.HostVeth
-	ingress, egress, err := bpf.PinnedProgramIDs(conf.PinRoot, id)
+	ingress, egress, err := bpf.PinnedProgramIDs(lock.Dir())
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
@@ -387,7 +387,7 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	removed, emptied := 0, 0
 	var errs []error
 	for _, id := range ids {
-		c, err := lifecycle.Collect(conf.PinRoot, store, id, stale)
+		c, err := lifecycle.Collect(store, id, stale)
 		removed += len(c.Members) + len(c.Keys)
 		if c.Identifier {
 			emptied++

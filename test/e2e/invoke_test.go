@@ -480,7 +480,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id podid.ID, ms, unsure map[string]*slot) kernelObjects {
 	t.Helper()
 	dir := c.identifierDir(string(id))
-	ingress, egress, err := bpf.PinnedProgramIDs(c.pinRoot, id)
+	ingress, egress, err := bpf.PinnedProgramIDs(c.identifierDir(string(id)))
 	if err != nil {
 		errorf("identifier %s has %d members but its programs: %v (%s)", id, len(ms), err, listDir(dir))
 	}

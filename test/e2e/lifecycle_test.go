@@ -241,7 +241,7 @@ func lcAttached(t *testing.T, c *cluster, ifindex int) (ingress, egress []ebpf.P
 func lcRequireEnforced(t *testing.T, c *cluster, p *pod) {
 	t.Helper()
 	id := lcIdentifier(t, p)
-	progIn, progEg, err := bpf.PinnedProgramIDs(c.pinRoot, id)
+	progIn, progEg, err := bpf.PinnedProgramIDs(c.identifierDir(string(id)))
 	if err != nil {
 		t.Fatalf("%s: %v", p.name, err)
 	}
@@ -427,7 +427,7 @@ func TestDelRepeatedAndUnknown(t *testing.T) {
 				lcRequireGone(t, c, a)
 				lcRequireEnforced(t, c, b)
 			}
-			progIn, progEg, err := bpf.PinnedProgramIDs(c.pinRoot, lcIdentifier(t, b))
+			progIn, progEg, err := bpf.PinnedProgramIDs(c.identifierDir(string(lcIdentifier(t, b))))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -457,7 +457,7 @@ func TestDelAfterPodGone(t *testing.T) {
 			a, destroyA := lcAddPodOwnNS(t, c, webReplicas[0])
 			b := c.addPod(webReplicas[1], "default")
 			lcRequireEnforced(t, c, a)
-			progIn, progEg, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+			progIn, progEg, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -469,7 +469,7 @@ func TestDelAfterPodGone(t *testing.T) {
 			c.delPod(a) // with the path of the namespace that is gone
 			lcRequireGone(t, c, a)
 			lcRequireEnforced(t, c, b)
-			if i2, e2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || i2 != progIn || e2 != progEg {
+			if i2, e2, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID))); err != nil || i2 != progIn || e2 != progEg {
 				t.Fatalf("pins changed: %v", err)
 			}
 
@@ -522,7 +522,7 @@ func TestDelContainerdShapes(t *testing.T) {
 
 			// Removal only, without Kubernetes arguments: the identifier
 			// is found through the record.
-			progIn, progEg, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+			progIn, progEg, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -642,7 +642,7 @@ func TestGC(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ident, err := bpf.OpenIdentifier(g, c.pinRoot, "orphan@default")
+			ident, err := bpf.OpenIdentifier(g, c.identifierDir(string("orphan@default")), "orphan@default")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -651,7 +651,7 @@ func TestGC(t *testing.T) {
 			if got := lcIdentifiers(t, c); len(got) != 4 {
 				t.Fatalf("identifiers %v, want four", got)
 			}
-			webIn, webEg, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+			webIn, webEg, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -666,7 +666,7 @@ func TestGC(t *testing.T) {
 			if got, want := lcIdentifiers(t, c), []string{"client@default", webID}; !slices.Equal(got, want) {
 				t.Errorf("identifiers after GC %v, want %v", got, want)
 			}
-			if i2, e2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || i2 != webIn || e2 != webEg {
+			if i2, e2, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID))); err != nil || i2 != webIn || e2 != webEg {
 				t.Errorf("GC changed the pins of an identifier in use: %v", err)
 			}
 			// Repeating it changes nothing.

@@ -28,7 +28,7 @@ func (c *cluster) renamePolicy(t testing.TB, name, doc string) {
 
 func (c *cluster) generation(t testing.TB, id podid.ID) uint32 {
 	t.Helper()
-	info, err := bpf.InspectIdentifier(c.pinRoot, id)
+	info, err := bpf.InspectIdentifier(c.identifierDir(string(id)), id)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -33,7 +33,7 @@ func TestUnreadableRecordKeepsPins(t *testing.T) {
 	}
 
 	c.delPod(a) // fails the test on an error
-	if _, _, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil {
+	if _, _, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID))); err != nil {
 		t.Fatalf("the last readable member's DEL removed pins an unreadable member may use: %v", err)
 	}
 
@@ -88,14 +88,14 @@ func TestIncompatibleIdentifierPins(t *testing.T) {
 	}
 
 	// In use by a: refused, and a's datapath is left as it was.
-	in, eg, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+	in, eg, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID)))
 	if err != nil {
 		t.Fatal(err)
 	}
 	pinWrongCounters()
 	_, err = c.tryAddPod(webReplicas[1], "default")
 	lcWantCNIError(t, err, 102, pinpath.MapCounters, "incompatible pin", "in use by 1 members")
-	if in2, eg2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || in2 != in || eg2 != eg {
+	if in2, eg2, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID))); err != nil || in2 != in || eg2 != eg {
 		t.Errorf("programs of the live identifier changed: %d/%d -> %d/%d (%v)", in, eg, in2, eg2, err)
 	}
 	lcRequireEnforced(t, c, a)

@@ -33,7 +33,7 @@ func TestScaleDownKeepsSharedPins(t *testing.T) {
 				netnsutilListen(t, w, 8080)
 				webs = append(webs, w)
 			}
-			ingress, egress, err := bpf.PinnedProgramIDs(c.pinRoot, webID)
+			ingress, egress, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -54,7 +54,7 @@ func TestScaleDownKeepsSharedPins(t *testing.T) {
 			if !exists(c.identifierDir(webID)) {
 				t.Fatal("pins removed while two replicas still use them")
 			}
-			if i2, e2, err := bpf.PinnedProgramIDs(c.pinRoot, webID); err != nil || i2 != ingress || e2 != egress {
+			if i2, e2, err := bpf.PinnedProgramIDs(c.identifierDir(string(webID))); err != nil || i2 != ingress || e2 != egress {
 				t.Fatalf("programs changed after one replica left: %d/%d -> %d/%d (%v)", ingress, egress, i2, e2, err)
 			}
 			checkEnforced(webs[1:])

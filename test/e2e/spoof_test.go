@@ -527,7 +527,7 @@ func (c *cluster) counter(t *testing.T, p *pod, r bpf.Reason) uint64 {
 	if err != nil {
 		t.Fatal(err)
 	}
-	info, err := bpf.InspectIdentifier(c.pinRoot, id)
+	info, err := bpf.InspectIdentifier(c.identifierDir(string(id)), id)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -70,7 +70,7 @@ func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
 		if m := readMarker(t, c.identifierDir(string(id))); !strings.HasPrefix(m, want+" object=") || strings.HasSuffix(m, " moving") {
 			t.Errorf("%s: layout marker %q, want %q and the object, its members moved", id, m, want)
 		}
-		info, err := bpf.InspectIdentifier(c.pinRoot, id)
+		info, err := bpf.InspectIdentifier(c.identifierDir(string(id)), id)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -151,7 +151,7 @@ func readSources(t *testing.T, c *cluster, id podid.ID) map[uint32]bpf.Sources {
 		t.Fatal(err)
 	}
 	defer g.Close()
-	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	ident, err := bpf.OpenIdentifier(g, c.identifierDir(string(id)), id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,7 +177,7 @@ func (c *cluster) setSources(t *testing.T, id podid.ID, p *pod) {
 		t.Fatal(err)
 	}
 	defer g.Close()
-	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	ident, err := bpf.OpenIdentifier(g, c.identifierDir(string(id)), id)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -101,7 +101,7 @@ func testUpgrade(t *testing.T, mode, next string) {
 	// The backend dropped none of its TCP replies: its egress allows only
 	// tracked flows. Its ingress dropped the stranger.
 	evs := denials.stop(t)
-	info, err := bpf.InspectIdentifier(c.pinRoot, webID)
+	info, err := bpf.InspectIdentifier(c.identifierDir(string(webID)), webID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +154,7 @@ func testUpgrade(t *testing.T, mode, next string) {
 	}
 	members := map[podid.ID][]*pod{webID: {web, web2, web3}, clientID: {client}, strangerID: {stranger}}
 	for id, pods := range members {
-		in, eg, err := bpf.PinnedProgramIDs(c.pinRoot, id)
+		in, eg, err := bpf.PinnedProgramIDs(c.identifierDir(string(id)))
 		if err != nil {
 			t.Fatal(err)
 		}

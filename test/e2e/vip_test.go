@@ -175,7 +175,7 @@ func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Identif
 		t.Fatal(err)
 	}
 	defer g.Close()
-	ident, err := bpf.OpenIdentifier(g, c.pinRoot, id)
+	ident, err := bpf.OpenIdentifier(g, c.identifierDir(string(id)), id)
 	if err != nil {
 		t.Fatal(err)
 	}
