@@ -16,7 +16,7 @@
 // replicas attached to the old objects would stop sharing state. Pins of an
 // earlier layout or build are taken over on purpose: OpenGlobal for the
 // node's maps, RenewIdentifier for an identifier's, whose caller then moves
-// the members onto the new programs (renew.go, package lifecycle); each
+// the members onto the new programs (renew.go, package node); each
 // directory of maps records its LayoutVersion (version.go). ApplyPolicy
 // writes a compiled policy.Set and bumps the generation, after which every
 // tracked flow is re-checked on its next packet. Callers serialise work on

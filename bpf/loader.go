@@ -378,7 +378,7 @@ type Renewal struct {
 	// MovePending says that members may still run other programs than the
 	// pinned ones: programs were replaced now, or by a renewal whose
 	// members were not all moved. The caller moves them
-	// (lifecycle.MoveMembers), then calls MembersMoved.
+	// (node.Identifier.MoveMembers), then calls MembersMoved.
 	MovePending bool
 }
 

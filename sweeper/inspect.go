@@ -12,7 +12,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ipproto"
 	"github.com/podfence/podfence/pkg/liveness"
-	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
@@ -77,7 +77,7 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	for _, s := range idents {
 		views = append(views, s.view())
 	}
-	ps, recorded, err := sweep.ReadPolicyStatus(c.pinRoot)
+	ps, recorded, err := node.New(c.pinRoot).ReadPolicyStatus()
 	if err != nil {
 		return err
 	}
@@ -158,7 +158,7 @@ type identCounters struct {
 // trace's totals need, at every scrape or event batch. An identifier being
 // created or removed is left out.
 func readCounters(pinRoot string) ([]identCounters, error) {
-	ids, err := membership.New(pinRoot).Identifiers()
+	ids, err := node.New(pinRoot).Identifiers()
 	if err != nil {
 		return nil, err
 	}
@@ -397,7 +397,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return err
 	}
-	a, err := sweep.ReapplyPolicies(g, c.pinRoot, *policyDir, policy.Digest{})
+	a, err := node.New(c.pinRoot).ReapplyPolicies(g, *policyDir, policy.Digest{})
 	if err != nil {
 		return err
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/policymirror"
@@ -417,7 +418,7 @@ func (r *runner) applyPolicies(why string) {
 		unless = r.applied
 	}
 	r.applied = policy.Digest{}
-	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir, unless)
+	a, err := node.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, unless)
 	if a.Unchanged {
 		r.applied = a.Digest
 		r.log.Debug("policy directory unchanged: not programmed again", "why", why)
@@ -428,7 +429,7 @@ func (r *runner) applyPolicies(why string) {
 		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why)
 		return
 	}
-	if errors.Is(err, sweep.ErrInvalidPolicy) {
+	if errors.Is(err, node.ErrInvalidPolicy) {
 		r.m.policyValid.Set(0)
 		r.m.policyErrors.Inc()
 		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why, "error", err)
@@ -474,7 +475,7 @@ func (r *runner) syncNodeAddrs() {
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
 	}
-	a, err := sweep.ReapplyPolicies(r.g, r.pinRoot, r.policyDir, policy.Digest{})
+	a, err := node.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, policy.Digest{})
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)
 	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)

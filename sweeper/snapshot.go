@@ -9,8 +9,8 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
-	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -39,14 +39,14 @@ type memberState struct {
 // that a member half-added is never shown. An identifier whose last
 // member left meanwhile is left out.
 func readNode(pinRoot string) ([]identState, error) {
-	store := membership.New(pinRoot)
+	store := node.New(pinRoot)
 	ids, err := store.Identifiers()
 	if err != nil {
 		return nil, err
 	}
 	var out []identState
 	for _, id := range ids {
-		s, ok, err := readIdentifier(store, pinRoot, id)
+		s, ok, err := readIdentifier(store, id)
 		if err != nil {
 			return nil, err
 		}
@@ -59,7 +59,7 @@ func readNode(pinRoot string) ([]identState, error) {
 
 // readIdentifier reads one identifier in one hold of its lock; ok is false
 // when it is gone.
-func readIdentifier(store *membership.Store, pinRoot string, id podid.ID) (s identState, ok bool, err error) {
+func readIdentifier(store *node.Node, id podid.ID) (s identState, ok bool, err error) {
 	lock, err := store.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return s, false, nil
@@ -69,7 +69,7 @@ func readIdentifier(store *membership.Store, pinRoot string, id podid.ID) (s ide
 	}
 	defer lock.Unlock()
 	s.ID = id
-	s.Info, s.InfoErr = bpf.InspectIdentifier(lock.Dir(), id)
+	s.Info, s.InfoErr = lock.Inspect()
 	sc, err := lock.Scan()
 	if err != nil {
 		return s, false, err
@@ -77,7 +77,7 @@ func readIdentifier(store *membership.Store, pinRoot string, id podid.ID) (s ide
 	s.Unreadable = sc.Unreadable
 	for _, m := range sc.Members {
 		ms := memberState{Member: m}
-		ms.VethPresent, _ = lifecycle.VethPresent(m)
+		ms.VethPresent, _ = node.VethPresent(m)
 		if ms.VethPresent && s.InfoErr == nil && s.Info.Ingress != 0 {
 			ms.Attached = attached(m.HostIfindex, attach.HookEgress, s.Info.Ingress) &&
 				attached(m.HostIfindex, attach.HookIngress, s.Info.Egress)

@@ -8,8 +8,7 @@ import (
 	"time"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/lifecycle"
-	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 )
 
 // upgradeReport is what `upgrade --json` prints: the node's layout, what
@@ -68,11 +67,11 @@ func cmdUpgrade(args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
-// upgradeNode runs lifecycle.Upgrade on the node; g was opened by this
+// upgradeNode runs node.Node.Upgrade on the node; g was opened by this
 // build, which renewed the global maps.
 func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
 	rep := upgradeReport{Layout: bpf.LayoutVersion, GlobalFrom: g.Renewal.From, GlobalMaps: nonNil(g.Renewal.Maps), Identifiers: []upgradedIdentity{}}
-	ups, err := lifecycle.Upgrade(g, membership.New(pinRoot))
+	ups, err := node.New(pinRoot).Upgrade(g)
 	for _, u := range ups {
 		rep.Identifiers = append(rep.Identifiers, upgradedIdentity{
 			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved, Changed: u.Changed(),

@@ -9,7 +9,7 @@ import (
 	"strings"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -82,14 +82,13 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 			pkt.Src = q.source
 		}
 	}
-	store := membership.New(c.pinRoot)
-	lock, err := store.Lock(q.id)
+	lock, err := node.New(c.pinRoot).Lock(q.id)
 	if err != nil {
 		return err
 	}
 	defer lock.Unlock()
 	// why changes nothing on the node: it runs what is pinned.
-	ident, err := bpf.OpenExistingIdentifier(g, lock.Dir(), q.id)
+	ident, err := lock.OpenExisting(g)
 	if err != nil {
 		return err
 	}

@@ -27,8 +27,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
@@ -312,7 +311,7 @@ func (d *demo) tryConnect(from, to *pod, port int, want bool) {
 }
 
 func (d *demo) showIdentifier(id string) error {
-	lock, err := membership.New(d.pinRoot).Lock(podid.ID(id))
+	lock, err := node.New(d.pinRoot).Lock(podid.ID(id))
 	if err != nil {
 		return err
 	}
@@ -321,7 +320,7 @@ func (d *demo) showIdentifier(id string) error {
 	if err != nil {
 		return err
 	}
-	ingress, egress, err := bpf.PinnedProgramIDs(lock.Dir())
+	ingress, egress, err := lock.ProgramIDs()
 	if err != nil {
 		return err
 	}

@@ -33,6 +33,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/pinpath"
 )
 
@@ -98,7 +99,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 	if pinRoot == "" {
 		pinRoot = pinpath.DefaultRoot
 	}
-	store := membership.New(pinRoot)
+	store := node.New(pinRoot)
 	lctx, cancel := context.WithTimeout(ctx, criTimeout)
 	defer cancel()
 	sandboxes, err := o.Runtime.Sandboxes(lctx)

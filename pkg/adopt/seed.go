@@ -8,6 +8,7 @@ import (
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -46,7 +47,7 @@ func kernelFlows() ([]ctnetlink.Flow, error) {
 // the destination); one opened to it has the pod as the reply's source
 // (after the DNAT of a Service), and its packets reach the pod from the
 // reply's destination (after any SNAT).
-func seed(g *bpf.Global, store *membership.Store, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
+func seed(g *bpf.Global, store *node.Node, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
 	var s Seeded
 	id, err := store.FindContainer(sb.ID, IfName)
 	if err != nil {
@@ -61,7 +62,7 @@ func seed(g *bpf.Global, store *membership.Store, sb Sandbox, flows []ctnetlink.
 	if err != nil {
 		return s, err
 	}
-	ident, err := bpf.OpenExistingIdentifier(g, lock.Dir(), id)
+	ident, err := lock.OpenExisting(g)
 	if err != nil {
 		return s, err
 	}

@@ -6,7 +6,7 @@
 //
 //  1. notes the time (CLOCK_MONOTONIC, the clock of the entries' last_seen);
 //  2. reads the members of every identifier, collecting those whose veth has
-//     been gone for longer than the orphan grace (package lifecycle), and
+//     been gone for longer than the orphan grace (package node), and
 //     notes the host veths of the live ones;
 //  3. streams the kernel table into a set of the tuples its flows hold in
 //     either direction (two keys a flow: no copy of the flows themselves);
@@ -31,9 +31,9 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ctnetlink"
-	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -72,10 +72,10 @@ type Options struct {
 
 // Sweeper reconciles one node. Its methods run one at a time.
 type Sweeper struct {
-	opts  Options
-	g     *bpf.Global
-	store *membership.Store
-	dump  *ctnetlink.Dumper
+	opts Options
+	g    *bpf.Global
+	node *node.Node
+	dump *ctnetlink.Dumper
 
 	mu        sync.Mutex
 	lastFlows int // kernel flows the last pass read
@@ -104,7 +104,7 @@ func New(g *bpf.Global, opts Options) (*Sweeper, error) {
 	return &Sweeper{
 		opts:         opts,
 		g:            g,
-		store:        membership.New(opts.PinRoot),
+		node:         node.New(opts.PinRoot),
 		dump:         d,
 		missingSince: map[string]time.Time{},
 		owners:       map[netip.Addr][]uint32{},
@@ -241,7 +241,7 @@ func (l liveVeths) live(ifindex uint32) bool {
 // has passed, and returns the veths of the rest.
 func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 	live := liveVeths{ifindex: map[uint32]bool{}}
-	ids, err := s.store.Identifiers()
+	ids, err := s.node.Identifiers()
 	if err != nil {
 		return live, nil, fmt.Errorf("list identifiers: %w", err)
 	}
@@ -269,7 +269,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			present := linksErr == nil && links[uint32(m.HostIfindex)] == m.HostVeth
 			if !present {
 				var err error
-				if present, err = lifecycle.VethPresent(*m); err != nil {
+				if present, err = node.VethPresent(*m); err != nil {
 					errs = append(errs, err)
 					present = true
 				}
@@ -291,7 +291,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			}
 			return now.Sub(since) >= s.opts.OrphanGrace
 		}
-		c, err := lifecycle.Collect(s.store, id, stale)
+		c, err := s.node.Collect(id, stale)
 		for _, m := range c.Members {
 			orphans = append(orphans, Orphan{ID: id, Member: m, Identifier: c.Identifier})
 			delete(s.missingSince, string(id)+"/"+m.Key())
@@ -325,12 +325,12 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 // readOwners reads the pod addresses of every member, changing nothing.
 func (s *Sweeper) readOwners() (map[netip.Addr][]uint32, error) {
 	owners := map[netip.Addr][]uint32{}
-	ids, err := s.store.Identifiers()
+	ids, err := s.node.Identifiers()
 	if err != nil {
 		return nil, err
 	}
 	for _, id := range ids {
-		sc, err := s.store.ScanIdentifier(id)
+		sc, err := s.node.ScanIdentifier(id)
 		if errors.Is(err, membership.ErrNoIdentifier) {
 			continue
 		}

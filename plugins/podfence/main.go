@@ -17,8 +17,8 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
-	"github.com/podfence/podfence/pkg/lifecycle"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -86,8 +86,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	call.mark("check-policy")
 
-	store := membership.New(conf.PinRoot)
-	lock, err := store.LockOrCreate(id)
+	lock, err := node.New(conf.PinRoot).LockOrCreate(id)
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -97,7 +96,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	// the order they hold it, so an older reading never overwrites a newer.
 	set, err := readPolicy(conf, id)
 	if err != nil {
-		if _, cerr := lifecycle.RemoveIfUnused(lock); cerr != nil {
+		if _, cerr := lock.RemoveIfUnused(); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -117,10 +116,10 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	if err := add(conf, call, lock, member, set); err != nil {
 		// Leave nothing behind: this member's attachments and record,
 		// and the identifier's pins if no other member uses them.
-		if cerr := lifecycle.RemoveMember(lock, member); cerr != nil {
+		if cerr := lock.RemoveMember(member); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
-		if _, cerr := lifecycle.RemoveIfUnused(lock); cerr != nil {
+		if _, cerr := lock.RemoveIfUnused(); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 		return err
@@ -133,7 +132,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 // add does ADD's work under the identifier's lock. Its order is what makes
 // a kill at any instant repairable (see package membership): pins, then the
 // member's record, then the attachments.
-func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Member, set policy.Set) error {
+func add(conf *PluginConf, call *call, lock *node.Identifier, m membership.Member, set policy.Set) error {
 	g, err := bpf.OpenGlobalWith(conf.PinRoot, bpf.GlobalOptions{CTv4Entries: conf.CTv4Entries, CTv6Entries: conf.CTv6Entries})
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
@@ -146,7 +145,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	// Pins of an earlier build are taken over here, and the identifier's
 	// members moved onto this build's programs, so a new pod never runs
 	// an older datapath than the plugin that added it.
-	ident, up, err := lifecycle.OpenIdentifier(g, lock)
+	ident, up, err := lock.Open(g)
 	if up.Changed() {
 		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v, %d members moved", up.Renewal.From, up.Renewal.Maps, up.Renewal.Programs, up.Moved)
 		if up.Unmoved != nil {
@@ -156,7 +155,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	if errors.Is(err, bpf.ErrIncompatiblePin) {
 		incompatible := err
 		var replaced bool
-		if ident, replaced, err = lifecycle.ReplaceUnusedObjects(g, lock, incompatible); replaced {
+		if ident, replaced, err = lock.ReplaceUnused(g, incompatible); replaced {
 			call.replaced = incompatible.Error()
 		}
 	}
@@ -176,7 +175,7 @@ func add(conf *PluginConf, call *call, lock *membership.Lock, m membership.Membe
 	if err := lock.Put(m); err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
-	if err := lifecycle.AttachMember(lock, m, ident); err != nil {
+	if err := lock.Attach(m, ident); err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	}
 	call.mark("attach")
@@ -241,7 +240,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "DEL", args)
 	defer func() { call.finish(err) }()
 
-	store := membership.New(conf.PinRoot)
+	store := node.New(conf.PinRoot)
 	key := membership.Key(args.ContainerID, args.IfName)
 	// DEL comes in shapes ADD never sees (no netns, no prevResult, after a
 	// failed ADD, twice): it works from the record alone, and finds the
@@ -276,7 +275,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	switch {
 	case err == nil:
 		call.veth = m.HostVeth
-		if err := lifecycle.RemoveMember(lock, m); err != nil {
+		if err := lock.RemoveMember(m); err != nil {
 			return cniError(err, errState)
 		}
 		call.mark("detach")
@@ -300,7 +299,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	default:
 		return types.NewError(errState, err.Error(), "")
 	}
-	if _, err := lifecycle.RemoveIfUnused(lock); err != nil {
+	if _, err := lock.RemoveIfUnused(); err != nil {
 		return cniError(err, errState)
 	}
 	call.mark("remove-unused")
@@ -320,7 +319,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.id = id
-	lock, err := membership.New(conf.PinRoot).Lock(id)
+	lock, err := node.New(conf.PinRoot).Lock(id)
 	if err != nil {
 		return types.NewError(errState, fmt.Sprintf("container %s: %v", args.ContainerID, err), "")
 	}
@@ -330,11 +329,11 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return types.NewError(errState, err.Error(), "")
 	}
 	call.veth = m.HostVeth
-	ingress, egress, err := bpf.PinnedProgramIDs(lock.Dir())
+	ingress, egress, err := lock.ProgramIDs()
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
-	if present, err := lifecycle.VethPresent(m); err != nil {
+	if present, err := node.VethPresent(m); err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	} else if !present {
 		return types.NewError(errAttach, fmt.Sprintf("veth %s (ifindex %d) of container %s is gone", m.HostVeth, m.HostIfindex, m.ContainerID), "")
@@ -353,7 +352,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		}
 	}
 	want := bpf.Sources{Addrs: m.Sources(), Any: m.AnySource}
-	got, ok, err := bpf.LookupSources(lock.Dir(), uint32(m.HostIfindex))
+	got, ok, err := lock.Sources(m.HostIfindex)
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
@@ -376,8 +375,8 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	for _, a := range conf.ValidAttachments {
 		valid[membership.Key(a.ContainerID, a.IfName)] = true
 	}
-	store := membership.New(conf.PinRoot)
-	ids, err := store.Identifiers()
+	n := node.New(conf.PinRoot)
+	ids, err := n.Identifiers()
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -387,7 +386,7 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	removed, emptied := 0, 0
 	var errs []error
 	for _, id := range ids {
-		c, err := lifecycle.Collect(store, id, stale)
+		c, err := n.Collect(id, stale)
 		removed += len(c.Members) + len(c.Keys)
 		if c.Identifier {
 			emptied++
@@ -404,15 +403,15 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 }
 
 // cniError gives err the CNI code of the part of the node it concerns
-// (package lifecycle's sentinels), or fallback.
+// (package node's sentinels), or fallback.
 func cniError(err error, fallback uint) error {
 	code := fallback
 	switch {
-	case errors.Is(err, lifecycle.ErrAttach):
+	case errors.Is(err, node.ErrAttach):
 		code = errAttach
-	case errors.Is(err, lifecycle.ErrDatapath):
+	case errors.Is(err, node.ErrDatapath):
 		code = errDatapath
-	case errors.Is(err, lifecycle.ErrState):
+	case errors.Is(err, node.ErrState):
 		code = errState
 	}
 	return types.NewError(code, err.Error(), "")

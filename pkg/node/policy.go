@@ -1,4 +1,4 @@
-package sweep
+package node
 
 import (
 	"errors"
@@ -10,10 +10,9 @@ import (
 	"time"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/lifecycle"
-	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -56,7 +55,7 @@ type Applied struct {
 // A directory whose digest is unless (the one the caller last programmed)
 // is not programmed again: every identifier has it already, and an ADD
 // programs its own. The zero digest programs whatever the directory holds.
-func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Digest) (Applied, error) {
+func (n *Node) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Digest) (Applied, error) {
 	var a Applied
 	switch synced, err := policy.Synced(policyDir); {
 	case err != nil:
@@ -67,7 +66,7 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Dig
 	dir, err := policy.ReadDir(policyDir)
 	if err != nil {
 		err = fmt.Errorf("%w %s: %w", ErrInvalidPolicy, policyDir, err)
-		return a, errors.Join(err, recordPolicyStatus(pinRoot, err, nil))
+		return a, errors.Join(err, n.recordPolicyStatus(err, nil))
 	}
 	if a.Digest = dir.Digest(); a.Digest == unless {
 		a.Unchanged = true
@@ -94,54 +93,59 @@ func ReapplyPolicies(g *bpf.Global, pinRoot, policyDir string, unless policy.Dig
 			a.Changed[d.Namespace+"/"+d.Name] = d.ChangedAt
 		}
 	}
-	if err := recordPolicyStatus(pinRoot, nil, a.Problems); err != nil {
+	if err := n.recordPolicyStatus(nil, a.Problems); err != nil {
 		return a, err
 	}
-	store := membership.New(pinRoot)
-	ids, err := store.Identifiers()
+	ids, err := n.Identifiers()
 	if err != nil {
 		return a, err
 	}
-	n := 0
 	var errs []error
 	for _, id := range ids {
-		err := func() error {
-			lock, err := store.Lock(id)
-			if errors.Is(err, membership.ErrNoIdentifier) {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
-			defer lock.Unlock()
-			if sc, err := lock.Scan(); err != nil || !sc.InUse() {
-				return err // no member: nothing attached to program
-			}
-			// Opened through lifecycle: it takes over pins of an
-			// earlier build.
-			ident, up, err := lifecycle.OpenIdentifier(g, lock)
-			if err != nil {
-				return err
-			}
-			defer ident.Close()
-			mode, err := ident.Mode()
-			if err != nil {
-				return err
-			}
-			if err := ident.ApplyPolicy(policy.ForIdentifier(docs, id, mode).WithCluster(cluster, id)); err != nil {
-				return err
-			}
-			n++
-			// Programmed all the same: the members named stay on the
-			// earlier programs until a later push moves them.
-			return up.Unmoved
-		}()
+		applied, err := n.reapply(g, id, func(mode policy.Mode) policy.Set {
+			return policy.ForIdentifier(docs, id, mode).WithCluster(cluster, id)
+		})
+		if applied {
+			a.Identifiers++
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 		}
 	}
-	a.Identifiers = n
 	return a, errors.Join(errs...)
+}
+
+// reapply programs id, when it has members, with what want says for the
+// mode its state records, and says whether it did.
+func (n *Node) reapply(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (bool, error) {
+	h, err := n.inUse(id)
+	if h == nil {
+		return false, err // gone, or no member: nothing attached to program
+	}
+	defer h.Unlock()
+	up, err := h.ApplyPolicy(g, want)
+	if err != nil {
+		return false, err
+	}
+	// Programmed all the same: the members named stay on the earlier
+	// programs until a later push moves them.
+	return true, up.Unmoved
+}
+
+// ApplyPolicy programs the identifier with what want says for the mode
+// its state records, in one opening of its pins: Open takes over pins of
+// an earlier build first.
+func (h *Identifier) ApplyPolicy(g *bpf.Global, want func(policy.Mode) policy.Set) (Upgraded, error) {
+	ident, up, err := h.Open(g)
+	if err != nil {
+		return up, err
+	}
+	defer ident.Close()
+	mode, err := ident.Mode()
+	if err != nil {
+		return up, err
+	}
+	return up, ident.ApplyPolicy(want(mode))
 }
 
 // PolicyStatus is what the last load of the policy directory found: why
@@ -163,7 +167,8 @@ const maxStatusError = 2048
 // loaded; nothing to say removes the record. The time of the first such
 // load in a row is kept. The record is a symlink whose target must stay
 // below PATH_MAX: the problems beyond maxStatusError bytes are counted.
-func recordPolicyStatus(pinRoot string, err error, problems []string) error {
+func (n *Node) recordPolicyStatus(err error, problems []string) error {
+	pinRoot := n.Root()
 	path := pinpath.Root(pinRoot).PolicyError()
 	if err == nil && len(problems) == 0 {
 		if rerr := os.Remove(path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
@@ -172,7 +177,7 @@ func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 		return nil
 	}
 	since := time.Now()
-	if old, ok, _ := ReadPolicyStatus(pinRoot); ok {
+	if old, ok, _ := n.ReadPolicyStatus(); ok {
 		since = old.Since
 	}
 	v := url.Values{"since": {since.UTC().Format(time.RFC3339Nano)}}
@@ -202,8 +207,8 @@ func recordPolicyStatus(pinRoot string, err error, problems []string) error {
 
 // ReadPolicyStatus reads the record ReapplyPolicies left; false when
 // the policy directory loaded with nothing to report.
-func ReadPolicyStatus(pinRoot string) (PolicyStatus, bool, error) {
-	target, ok, err := pinfs.ReadRecord(pinpath.Root(pinRoot).PolicyError())
+func (n *Node) ReadPolicyStatus() (PolicyStatus, bool, error) {
+	target, ok, err := pinfs.ReadRecord(pinpath.Root(n.Root()).PolicyError())
 	if err != nil {
 		return PolicyStatus{}, false, fmt.Errorf("read the policy error record: %w", err)
 	}

@@ -1,0 +1,277 @@
+// Package node owns the pin root: the identifiers pinned below it, their
+// member records and their locks. Everything that reads or changes an
+// identifier asks a Node for it and gets an Identifier, a handle that holds
+// the identifier's lock; package bpf is handed that handle's directory and
+// package membership its records, and neither works out where they live.
+//
+// It adds and removes members and pins in the order that keeps package
+// membership's invariants: records before attachments, attachments gone
+// before records, the pins removed only by a lock holder that sees no
+// member. The CNI plugin (ADD, DEL, GC) and the sweeper (orphans of pods
+// that vanished without a DEL, upgrades, policy pushes) both go through
+// it; a second copy of these rules is how the seed's scale-down bug came
+// about.
+//
+// Errors wrap one of ErrState, ErrDatapath or ErrAttach, which say which
+// part of the node failed: the plugin maps them to its CNI error codes.
+package node
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/podid"
+)
+
+var (
+	// ErrState is wrapped when the membership store cannot be read or written.
+	ErrState = errors.New("membership state")
+	// ErrDatapath is wrapped when loading, pinning or removing eBPF objects fails.
+	ErrDatapath = errors.New("datapath")
+	// ErrAttach is wrapped when attaching to or detaching from a veth fails.
+	ErrAttach = errors.New("attachment")
+)
+
+// wrap tags err with the part of the node it concerns; nil stays nil.
+func wrap(kind, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", kind, err)
+}
+
+// Node is the pin root of one node.
+type Node struct {
+	store *membership.Store
+}
+
+// New returns the node whose pins live below pinRoot.
+func New(pinRoot string) *Node { return &Node{store: membership.New(pinRoot)} }
+
+// Root is the pin root.
+func (n *Node) Root() string { return n.store.Root() }
+
+// Identifiers lists the identifiers that have a directory (pins, members
+// or both).
+func (n *Node) Identifiers() ([]podid.ID, error) { return n.store.Identifiers() }
+
+// Lock takes the lock of an identifier that exists, waiting for another
+// holder; a missing identifier is membership.ErrNoIdentifier. Everything
+// but an ADD locks this way: it must not bring back an identifier that was
+// removed.
+func (n *Node) Lock(id podid.ID) (*Identifier, error) {
+	l, err := n.store.Lock(id)
+	if err != nil {
+		return nil, err
+	}
+	return &Identifier{l}, nil
+}
+
+// LockOrCreate takes the identifier's lock, making its directory when it
+// is missing: an ADD's.
+func (n *Node) LockOrCreate(id podid.ID) (*Identifier, error) {
+	l, err := n.store.LockOrCreate(id)
+	if err != nil {
+		return nil, err
+	}
+	return &Identifier{l}, nil
+}
+
+// FindContainer is the identifier that has a record of the container's
+// interface, or membership.ErrNotMember.
+func (n *Node) FindContainer(containerID, ifname string) (podid.ID, error) {
+	return n.store.FindContainer(containerID, ifname)
+}
+
+// ScanIdentifier is Identifier.Scan in a hold of id's lock of its own.
+func (n *Node) ScanIdentifier(id podid.ID) (membership.Scan, error) {
+	return n.store.ScanIdentifier(id)
+}
+
+// Stale decides which of an identifier's member directories a collection
+// removes. m is the member's record, or nil for a directory whose record is
+// missing (an ADD killed before writing it) or unreadable; corrupt says
+// which.
+type Stale func(key string, m *membership.Member, corrupt bool) bool
+
+// Collected is what one Collect removed.
+type Collected struct {
+	Members    []membership.Member // removed members with a readable record
+	Keys       []string            // removed directories without one (missing or corrupt)
+	Identifier bool                // the identifier's pins went with its last member
+}
+
+// Collect removes the members of id that stale selects, under id's lock,
+// and the identifier's pins when no member is left. A missing identifier
+// is nothing to collect.
+//
+// Without a record nothing can be detached, but the member's link pins go
+// with its directory (invariant 1: nothing else was attached for it).
+func (n *Node) Collect(id podid.ID, stale Stale) (Collected, error) {
+	var out Collected
+	h, err := n.Lock(id)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return out, nil
+	}
+	if err != nil {
+		return out, wrap(ErrState, err)
+	}
+	defer h.Unlock()
+	sc, err := h.Scan()
+	if err != nil {
+		return out, wrap(ErrState, err)
+	}
+	for i := range sc.Members {
+		m := sc.Members[i]
+		if !stale(m.Key(), &m, false) {
+			continue
+		}
+		if err := h.RemoveMember(m); err != nil {
+			return out, err
+		}
+		out.Members = append(out.Members, m)
+	}
+	for _, group := range []struct {
+		keys    []string
+		corrupt bool
+	}{{sc.Incomplete, false}, {sc.Unreadable, true}} {
+		for _, key := range group.keys {
+			if !stale(key, nil, group.corrupt) {
+				continue
+			}
+			if err := h.Remove(key); err != nil {
+				return out, wrap(ErrState, err)
+			}
+			out.Keys = append(out.Keys, key)
+		}
+	}
+	out.Identifier, err = h.RemoveIfUnused()
+	return out, err
+}
+
+// inUse locks id and returns its handle when it has members; nil (and no
+// error) when it is gone or has none, which is left to the collection of
+// orphans.
+func (n *Node) inUse(id podid.ID) (*Identifier, error) {
+	h, err := n.Lock(id)
+	if errors.Is(err, membership.ErrNoIdentifier) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, wrap(ErrState, err)
+	}
+	sc, err := h.Scan()
+	if err != nil || !sc.InUse() {
+		h.Unlock()
+		return nil, wrap(ErrState, err)
+	}
+	return h, nil
+}
+
+// Upgraded is what an upgrade did to one identifier.
+type Upgraded struct {
+	ID      podid.ID
+	Renewal bpf.Renewal
+	Moved   int   // members moved onto the identifier's programs
+	Unmoved error // why members that should have moved did not
+}
+
+// Changed says whether anything of the identifier changed.
+func (u Upgraded) Changed() bool {
+	return len(u.Renewal.Maps) > 0 || u.Renewal.Programs || u.Moved > 0
+}
+
+// Upgrade brings every identifier with members onto this build's pins and
+// programs: RenewIdentifier under each identifier's lock, then MoveMembers,
+// which also moves members that a killed upgrade left on older programs.
+// Identifiers without members are left to the collection of orphans. It
+// goes on past an identifier it cannot upgrade and returns every failure.
+func (n *Node) Upgrade(g *bpf.Global) ([]Upgraded, error) {
+	ids, err := n.Identifiers()
+	if err != nil {
+		return nil, wrap(ErrState, err)
+	}
+	var out []Upgraded
+	var errs []error
+	for _, id := range ids {
+		u, err := n.upgradeOne(g, id)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
+			continue
+		}
+		if u == nil {
+			continue
+		}
+		out = append(out, *u)
+		if u.Unmoved != nil {
+			errs = append(errs, fmt.Errorf("identifier %q: %w", id, u.Unmoved))
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+func (n *Node) upgradeOne(g *bpf.Global, id podid.ID) (*Upgraded, error) {
+	h, err := n.inUse(id)
+	if h == nil {
+		return nil, err
+	}
+	defer h.Unlock()
+	ident, up, err := h.Open(g)
+	if err != nil {
+		return nil, err
+	}
+	defer ident.Close()
+	if !up.Renewal.MovePending {
+		// Members that something else left on other programs move too.
+		up.Moved, up.Unmoved = h.moveAll(ident)
+	}
+	return &up, nil
+}
+
+// Removed is what RemoveAll took off a node.
+type Removed struct {
+	Identifiers int // whose pins were removed
+	Members     int // taken off their veths
+	// Kept are identifiers left in place because a member record could
+	// not be read: the hooks it stands for are unknown, so its pins stay
+	// (see RemoveIfUnused).
+	Kept []podid.ID
+}
+
+// RemoveAll takes every member of every identifier off its veth and
+// removes the identifiers' pins, each under its lock: podfence leaves the
+// node, and its pods keep running, no longer fenced. A runtime's ADD or
+// DEL that waits for a lock meanwhile finds the identifier gone and does
+// what it does for a new or an absent one.
+func (n *Node) RemoveAll() (Removed, error) {
+	var r Removed
+	ids, err := n.Identifiers()
+	if err != nil {
+		return r, wrap(ErrState, err)
+	}
+	var errs []error
+	for _, id := range ids {
+		h, err := n.Lock(id)
+		if errors.Is(err, membership.ErrNoIdentifier) {
+			continue // removed by its last DEL meanwhile
+		}
+		if err != nil {
+			errs = append(errs, wrap(ErrState, err))
+			continue
+		}
+		members, removed, err := h.RemoveAll()
+		h.Unlock()
+		r.Members += members
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("identifier %s: %w", id, err))
+		case removed:
+			r.Identifiers++
+		default:
+			r.Kept = append(r.Kept, id)
+		}
+	}
+	return r, errors.Join(errs...)
+}
