@@ -39,14 +39,14 @@ type memberState struct {
 // that a member half-added is never shown. An identifier whose last
 // member left meanwhile is left out.
 func readNode(pinRoot string) ([]identState, error) {
-	store := node.New(pinRoot)
-	ids, err := store.Identifiers()
+	pins := node.New(pinRoot)
+	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
 	}
 	var out []identState
 	for _, id := range ids {
-		s, ok, err := readIdentifier(store, id)
+		s, ok, err := readIdentifier(pins, id)
 		if err != nil {
 			return nil, err
 		}
@@ -59,8 +59,8 @@ func readNode(pinRoot string) ([]identState, error) {
 
 // readIdentifier reads one identifier in one hold of its lock; ok is false
 // when it is gone.
-func readIdentifier(store *node.Node, id podid.ID) (s identState, ok bool, err error) {
-	lock, err := store.Lock(id)
+func readIdentifier(pins *node.Node, id podid.ID) (s identState, ok bool, err error) {
+	lock, err := pins.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return s, false, nil
 	}

@@ -99,7 +99,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 	if pinRoot == "" {
 		pinRoot = pinpath.DefaultRoot
 	}
-	store := node.New(pinRoot)
+	pins := node.New(pinRoot)
 	lctx, cancel := context.WithTimeout(ctx, criTimeout)
 	defer cancel()
 	sandboxes, err := o.Runtime.Sandboxes(lctx)
@@ -112,7 +112,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 	r.Sandboxes = len(sandboxes)
 	var adopted []Sandbox
 	for _, sb := range sandboxes {
-		_, err := store.FindContainer(sb.ID, IfName)
+		_, err := pins.FindContainer(sb.ID, IfName)
 		if err == nil {
 			r.Fenced++
 			continue
@@ -143,7 +143,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		return r, nil
 	}
 	for _, sb := range adopted {
-		s, err := seed(o.Global, store, sb, flows)
+		s, err := seed(o.Global, pins, sb, flows)
 		r.Seeded.Allowed += s.Allowed
 		r.Seeded.Denied += s.Denied
 		if err != nil {

@@ -47,13 +47,13 @@ func kernelFlows() ([]ctnetlink.Flow, error) {
 // the destination); one opened to it has the pod as the reply's source
 // (after the DNAT of a Service), and its packets reach the pod from the
 // reply's destination (after any SNAT).
-func seed(g *bpf.Global, store *node.Node, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
+func seed(g *bpf.Global, pins *node.Node, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
 	var s Seeded
-	id, err := store.FindContainer(sb.ID, IfName)
+	id, err := pins.FindContainer(sb.ID, IfName)
 	if err != nil {
 		return s, err
 	}
-	lock, err := store.Lock(id)
+	lock, err := pins.Lock(id)
 	if err != nil {
 		return s, err
 	}

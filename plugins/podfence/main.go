@@ -240,15 +240,15 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "DEL", args)
 	defer func() { call.finish(err) }()
 
-	store := node.New(conf.PinRoot)
+	pins := node.New(conf.PinRoot)
 	key := membership.Key(args.ContainerID, args.IfName)
 	// DEL comes in shapes ADD never sees (no netns, no prevResult, after a
 	// failed ADD, twice): it works from the record alone, and finds the
 	// identifier by search when the arguments do not name it.
 	id, idErr := identify(args)
-	lock, err := store.Lock(id)
+	lock, err := pins.Lock(id)
 	if idErr != nil || errors.Is(err, membership.ErrNoIdentifier) {
-		found, ferr := store.FindContainer(args.ContainerID, args.IfName)
+		found, ferr := pins.FindContainer(args.ContainerID, args.IfName)
 		if errors.Is(ferr, membership.ErrNotMember) {
 			call.action = "nothing recorded"
 			return nil
@@ -258,7 +258,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 			return types.NewError(errState, ferr.Error(), "")
 		}
 		id = found
-		lock, err = store.Lock(id)
+		lock, err = pins.Lock(id)
 	}
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		call.action = "nothing recorded"
