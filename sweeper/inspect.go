@@ -14,7 +14,6 @@ import (
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
-	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/sweep"
@@ -158,13 +157,14 @@ type identCounters struct {
 // trace's totals need, at every scrape or event batch. An identifier being
 // created or removed is left out.
 func readCounters(pinRoot string) ([]identCounters, error) {
-	ids, err := node.New(pinRoot).Identifiers()
+	pins := node.New(pinRoot)
+	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
 	}
 	var out []identCounters
 	for _, id := range ids {
-		info, err := bpf.InspectIdentifier(pinpath.Root(pinRoot).Identifier(id), id)
+		info, err := pins.Peek(id)
 		if err != nil {
 			continue
 		}

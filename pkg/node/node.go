@@ -22,6 +22,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -83,6 +84,14 @@ func (n *Node) LockOrCreate(id podid.ID) (*Identifier, error) {
 // interface, or membership.ErrNotMember.
 func (n *Node) FindContainer(containerID, ifname string) (podid.ID, error) {
 	return n.store.FindContainer(containerID, ifname)
+}
+
+// Peek reads id's state, counters and programs without its lock, for
+// readers that must not wait behind an ADD and need nothing consistent
+// with the members (a metrics scrape). An identifier being created or
+// removed is an error.
+func (n *Node) Peek(id podid.ID) (bpf.IdentifierInfo, error) {
+	return bpf.InspectIdentifier(pinpath.Root(n.Root()).Identifier(id), id)
 }
 
 // ScanIdentifier is Identifier.Scan in a hold of id's lock of its own.
