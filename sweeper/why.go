@@ -67,11 +67,14 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer g.Close()
-	idents, err := readNode(c.pinRoot)
+	s, ok, err := readIdentifier(node.New(c.pinRoot), q.id)
 	if err != nil {
 		return err
 	}
-	mode, member, podAddr, err := q.member(idents)
+	if !ok {
+		return fmt.Errorf("no identifier %s on this node", q.id)
+	}
+	mode, member, podAddr, err := q.member(s)
 	if err != nil {
 		return err
 	}
@@ -290,24 +293,18 @@ func parseWhy(pod, from, to, source string, rest []string) (whyQuery, error) {
 
 // member finds the identifier's mode, a member of it whose veth is present,
 // and that member's address of the peer's family.
-func (q whyQuery) member(idents []identState) (policy.Mode, memberState, netip.Addr, error) {
-	for _, s := range idents {
-		if s.ID != q.id {
+func (q whyQuery) member(s identState) (policy.Mode, memberState, netip.Addr, error) {
+	for _, m := range s.Members {
+		if !m.VethPresent {
 			continue
 		}
-		for _, m := range s.Members {
-			if !m.VethPresent {
-				continue
-			}
-			for _, p := range m.IPs {
-				if p.Addr().Is4() == q.peer.Is4() {
-					return s.Info.Mode, m, p.Addr(), nil
-				}
+		for _, p := range m.IPs {
+			if p.Addr().Is4() == q.peer.Is4() {
+				return s.Info.Mode, m, p.Addr(), nil
 			}
 		}
-		return "", memberState{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
 	}
-	return "", memberState{}, netip.Addr{}, fmt.Errorf("no identifier %s on this node", q.id)
+	return "", memberState{}, netip.Addr{}, fmt.Errorf("identifier %s has no member with a veth and an IPv%d address", q.id, map[bool]int{true: 4, false: 6}[q.peer.Is4()])
 }
 
 // prefixStrings prints addresses as the member record has them.
