@@ -4,6 +4,7 @@ import (
 	"errors"
 	"maps"
 	"net/netip"
+	"reflect"
 	"testing"
 
 	"github.com/podfence/podfence/pkg/policy"
@@ -13,11 +14,11 @@ var errStopped = errors.New("stopped by the test")
 
 // TestApplyPolicyRepairsStoppedChange stops a policy change after each of
 // its steps, as a killed process would stop, and retries it as a runtime
-// retries a failed ADD. Whatever the step, the retry must leave the new
-// policy in force: a tracked flow it revokes is dropped on its next packet
-// (which a retry that found the tries already written and so bumped no
-// generation would let through), a flow it allows still passes, and no
-// port set is left that no entry names.
+// retries a failed ADD. Where it stops, the old policy is in force until
+// the switch and the new one from then on, whole. Whatever the step, the
+// retry must leave the new policy in force: a tracked flow it revokes is
+// dropped on its next packet, a flow it allows still passes, both sides
+// hold it, and no port set is left that no entry names.
 func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 	three := []policy.PortRange{tcpPort(80), tcpPort(443), tcpPort(8443)}
 	old := isolate(rules(rule("10.1.0.0/16", three...), rule("10.3.0.0/16", three...)), nil)
@@ -30,9 +31,10 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 		to   policy.Set
 		step string
 	}{
-		{next, "flagged"}, {next, "sets written"}, {next, "tries written"},
-		{open, "flagged"}, {open, "opened"}, {open, "tries written"},
+		{next, "flagged"}, {next, "sets written"}, {next, "side written"}, {next, "switched"},
+		{open, "flagged"}, {open, "side written"}, {open, "switched"},
 	} {
+		switched := c.step == "switched"
 		name := "revoke/" + c.step
 		if !c.to.Ingress.Isolated {
 			name = "open/" + c.step
@@ -42,7 +44,18 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 			h.apply(t, old)
 			revoked := tcp("10.1.2.3", pod4, 40000, 80)
 			kept := tcp("10.3.2.3", pod4, 40001, 80)
-			for _, p := range []string{string(syn(revoked).Marshal()), string(syn(kept).Marshal())} {
+			// Run while the change is stopped: tracked from 10.1/16
+			// (which next revokes), or new from 10.9/16 (which only
+			// open allows).
+			mid, midSyn := tcp("10.1.2.4", pod4, 40002, 80), false
+			if !c.to.Ingress.Isolated {
+				mid, midSyn = syn(tcp("10.9.2.3", pod4, 40002, 80)), true
+			}
+			opening := []string{string(syn(revoked).Marshal()), string(syn(kept).Marshal())}
+			if !midSyn {
+				opening = append(opening, string(syn(mid).Marshal()))
+			}
+			for _, p := range opening {
 				if ret := h.run(t, policy.Ingress, []byte(p)); ret != VerdictAllow {
 					t.Fatalf("opening a flow under the old policy: %#x", ret)
 				}
@@ -62,6 +75,15 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 			if !stopped || !errors.Is(err, errStopped) {
 				t.Fatalf("the change never reached step %q (error %v)", c.step, err)
 			}
+			// Before the switch only the old policy judges; from it,
+			// only the new one.
+			wantMid := VerdictAllow
+			if switched == c.to.Ingress.Isolated {
+				wantMid = VerdictDrop
+			}
+			if ret, reason := h.runReason(t, policy.Ingress, mid.Marshal()); ret != wantMid {
+				t.Errorf("flow from %s while stopped: %#x (%s), want %#x", mid.Src, ret, reason, wantMid)
+			}
 			h.apply(t, c.to) // the retry
 
 			wantRevoked, wantReason := VerdictDrop, ReasonRevoked
@@ -74,14 +96,27 @@ func TestApplyPolicyRepairsStoppedChange(t *testing.T) {
 			if ret, reason := h.runReason(t, policy.Ingress, kept.Marshal()); ret != VerdictAllow || reason != ReasonCTEstablished {
 				t.Errorf("flow from 10.3.2.3 after the retry: %#x (%s), want it allowed as tracked", ret, reason)
 			}
-			if st := h.state(t); st.Applying != 0 {
-				t.Errorf("state after the retry: %+v, want no flag", st)
+			if st := h.state(t); st.Applying != 0 || st.Enforced != st.Enforced1 {
+				t.Errorf("state after the retry: %+v, want no flag and both sides' bits alike", st)
+			}
+			if a, b := readSide(t, h, 0), readSide(t, h, 1); !reflect.DeepEqual(a, b) {
+				t.Error("the sides differ after the retry")
 			}
 			if named, held := namedKeys(t, h), setKeys(t, h); !maps.Equal(named, held) {
 				t.Errorf("port_sets holds %v, the entries name %v", held, named)
 			}
 		})
 	}
+}
+
+// readSide reads side s of the harness's identifier.
+func readSide(t *testing.T, h *harness, s int) sideEntries {
+	t.Helper()
+	e, err := h.id.Sides[s].entries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
 }
 
 func (h *harness) state(t *testing.T) podfenceIdState {
@@ -108,8 +143,9 @@ func hostRules(first, n int, lists bool) []policy.Rule {
 	return rs
 }
 
-// TestApplyPolicyRefusesWhatCannotFit: a policy that the tries (or
-// port_sets) cannot hold next to the one it replaces, which Set.Check would
+// TestApplyPolicyRefusesWhatCannotFit: a policy that a side's tries cannot
+// hold, or whose port sets port_sets cannot hold next to those of the
+// policy it replaces, which Set.Check would
 // have refused but which reached ApplyPolicy anyway (read again after the
 // check), fails before anything changes, with the policy error the plugin
 // reports as such.
@@ -119,14 +155,14 @@ func TestApplyPolicyRefusesWhatCannotFit(t *testing.T) {
 		old, next []policy.Rule
 		want      error
 	}{
-		{"prefixes", hostRules(0, policy.MaxEntries, false), hostRules(policy.MaxEntries, policy.MaxEntries+400, false), policy.ErrTooManyEntries},
+		{"prefixes", hostRules(0, policy.MaxEntries, false), hostRules(policy.MaxEntries, int(trieCapacity)+1, false), policy.ErrTooManyEntries},
 		{"port sets", hostRules(0, 8, true), hostRules(100, policy.MaxPortSets+1, true), policy.ErrTooManyPortSets},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			h := newHarness(t)
 			h.apply(t, isolate(c.old, nil))
 			before, sets := h.state(t), setKeys(t, h)
-			entries, err := trieEntries(h.id.Policy[policy.Ingress][0])
+			entries, err := trieEntries(h.id.Sides[0].Policy[policy.Ingress][0])
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -134,7 +170,7 @@ func TestApplyPolicyRefusesWhatCannotFit(t *testing.T) {
 			if !errors.Is(err, c.want) {
 				t.Fatalf("error %v, want %v", err, c.want)
 			}
-			after, err := trieEntries(h.id.Policy[policy.Ingress][0])
+			after, err := trieEntries(h.id.Sides[0].Policy[policy.Ingress][0])
 			if err != nil {
 				t.Fatal(err)
 			}

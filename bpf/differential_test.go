@@ -42,10 +42,46 @@ func TestDifferential(t *testing.T) {
 
 	cases, mismatches := 0, 0
 	byLayer := map[string]int{} // what decided the cases: each must come up
+	var prev *policy.Set
+	midCases, midPort := 0, uint16(0)
 	for s := 0; s < *diffSets && mismatches < 10; s++ {
 		set := randomSet(rng)
 		h.flushCT(t)
-		h.apply(t, set)
+		if prev == nil {
+			h.apply(t, set)
+		} else {
+			// Mid-change trials: new flows at each step of the change
+			// from prev to set are judged by prev until the switch,
+			// by set from it on, and never by a mix of the two.
+			from := prev
+			t.Cleanup(func() { testStop = nil })
+			testStop = func(step string) error {
+				judge := from
+				if step == "switched" {
+					judge = &set
+				}
+				for range 4 {
+					d := policy.Direction(rng.IntN(2))
+					pkt, remote, port := randomPacket(rng, 20000+midPort%40000, d)
+					midPort++
+					if pkt.Proto == 47 || pkt.FragOffset != 0 || len(pkt.ExtHeaders) != 0 {
+						continue // flows without ports: see below
+					}
+					fromNode := d == policy.Ingress && slices.Contains(nodes, remote)
+					want := fromNode || policy.Decide(judge, &judge.Cluster, d, remote, pkt.Proto, port).Allowed
+					if got := h.run(t, d, pkt.Marshal()) == VerdictAllow; got != want {
+						mismatches++
+						t.Errorf("seed %d set %d, at %q of the change: %s %s->%s proto %d port %d: datapath allows=%v, reference allows=%v",
+							seed, s, step, d, pkt.Src, pkt.Dst, pkt.Proto, port, got, want)
+					}
+					midCases++
+				}
+				return nil
+			}
+			h.apply(t, set)
+			testStop = nil
+		}
+		prev = &set
 		for p := 0; p < *diffPkts; p++ {
 			d := policy.Direction(rng.IntN(2))
 			pkt, remote, port := randomPacket(rng, uint16(p+1), d)
@@ -90,9 +126,9 @@ func TestDifferential(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("%d cases, %d mismatches; decided by %v", cases, mismatches, byLayer)
-	if cases < 20000 && !t.Failed() && *diffSets == 400 && *diffPkts == 60 {
-		t.Fatalf("only %d cases ran", cases)
+	t.Logf("%d cases, %d of them mid-change, %d mismatches; decided by %v", cases+midCases, midCases, mismatches, byLayer)
+	if (cases < 20000 || midCases < 4000) && !t.Failed() && *diffSets == 400 && *diffPkts == 60 {
+		t.Fatalf("only %d cases ran, %d mid-change", cases, midCases)
 	}
 }
 

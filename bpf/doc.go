@@ -8,8 +8,10 @@
 //	                  event ring buffer and its per-CPU rate limiter, the
 //	                  ports of fragmented datagrams, the per-CPU clock cache
 //	ids/<identifier>/ both programs, the state map (policy generation and
-//	                  isolation), per-CPU verdict counters, four policy tries
-//	                  and the port sets their entries name
+//	                  isolation), per-CPU verdict counters, two sides of the
+//	                  policy (four policy tries and a tiers trie each, _1
+//	                  on side 1), the port sets their entries name, and
+//	                  each member's source addresses
 //
 // OpenGlobal and OpenIdentifier reuse compatible pins and refuse
 // incompatible ones (ErrIncompatiblePin) rather than swapping them, because
@@ -18,8 +20,9 @@
 // node's maps, RenewIdentifier for an identifier's, whose caller then moves
 // the members onto the new programs (renew.go, package node); each
 // directory of maps records its LayoutVersion (version.go). ApplyPolicy
-// writes a compiled policy.Set and bumps the generation, after which every
-// tracked flow is re-checked on its next packet. Callers serialise work on
+// writes a compiled policy.Set to the side not in force and bumps the
+// generation, which puts it in force whole and makes every tracked flow be
+// re-checked on its next packet. Callers serialise work on
 // one identifier (the CNI plugin holds its lock).
 //
 // Requires Linux 5.10: ring buffer (5.8), global functions with scalar

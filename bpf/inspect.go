@@ -79,10 +79,11 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	}
 	info.Generation = st.Generation
 	info.Mode = stateMode(st)
+	bits := enforcedOn(st, sideOf(st.Generation))
 	for d := range 2 {
-		info.Isolated[d] = st.Enforced&((enforcePolicy|enforceDefaultDeny)<<d) != 0
-		info.Admin[d] = st.Enforced&(enforceAdmin<<d) != 0
-		info.Baseline[d] = st.Enforced&(enforceBaseline<<d) != 0
+		info.Isolated[d] = bits&((enforcePolicy|enforceDefaultDeny)<<d) != 0
+		info.Admin[d] = bits&(enforceAdmin<<d) != 0
+		info.Baseline[d] = bits&(enforceBaseline<<d) != 0
 	}
 	i := Identifier{ID: id, Counters: counters}
 	if info.Counters, err = i.ReadCounters(); err != nil {

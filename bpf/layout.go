@@ -93,6 +93,15 @@ var layouts = map[string]mapLayout{
 	// it empty, which is what that layout enforced (no cluster policy),
 	// and the next ApplyPolicy fills it.
 	mapTiers: {ebpf.LPMTrie, tierKeySize, tierValSize, tierCapacity, carryCopy, 1, nil},
+	// Side 1 of the policy, new in layout 4: a take-over of an earlier
+	// layout creates these empty and copies side 0 into them, with the
+	// state's enforced bits (once padding), before any program of this
+	// build reads them (syncSides).
+	pinpath.MapPolInV4Side1: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolInV6Side1: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolEgV4Side1: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapPolEgV6Side1: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1, nil},
+	pinpath.MapTiersSide1:   {ebpf.LPMTrie, tierKeySize, tierValSize, tierCapacity, carryCopy, 1, nil},
 }
 
 // maxMembers is MAX_MEMBERS in maps.h: the members of one identifier on

@@ -102,10 +102,13 @@ const (
 
 var globalMaps = pinpath.GlobalMaps()
 
-// policyMaps are indexed by [direction][family], family 0 for IPv4, 1 for IPv6.
-var policyMaps = [2][2]string{
-	{pinpath.MapPolInV4, pinpath.MapPolInV6},
-	{pinpath.MapPolEgV4, pinpath.MapPolEgV6},
+// sideMaps are the pin names of each side's maps (Side).
+var sideMaps = [2]struct {
+	policy [2][2]string // by [direction][family], family 0 for IPv4, 1 for IPv6
+	tiers  string
+}{
+	{[2][2]string{{pinpath.MapPolInV4, pinpath.MapPolInV6}, {pinpath.MapPolEgV4, pinpath.MapPolEgV6}}, pinpath.MapTiers},
+	{[2][2]string{{pinpath.MapPolInV4Side1, pinpath.MapPolInV6Side1}, {pinpath.MapPolEgV4Side1, pinpath.MapPolEgV6Side1}}, pinpath.MapTiersSide1},
 }
 
 // identifierMaps are the maps pinned per identifier.
@@ -316,12 +319,20 @@ type Identifier struct {
 
 	Ingress, Egress *ebpf.Program
 	State, Counters *ebpf.Map
-	// Policy tries by [policy.Direction][family], family 0 IPv4, 1 IPv6.
-	Policy [2][2]*ebpf.Map
-	// The port sets the tries' entries name.
+	// The two sides of the policy; the generation's parity selects the
+	// one in force (policy.go).
+	Sides [2]Side
+	// The port sets the entries of either side name.
 	PortSets *ebpf.Map
 	// Each member's source addresses, by host veth ifindex (sources.go).
 	Sources *ebpf.Map
+}
+
+// Side is one side of an identifier's policy: the maps that judge a new
+// flow, pinned without a suffix for side 0 and with _1 for side 1.
+type Side struct {
+	// Policy tries by [policy.Direction][family], family 0 IPv4, 1 IPv6.
+	Policy [2][2]*ebpf.Map
 	// The cluster policy tiers of both directions and families (tiers.go).
 	Tiers *ebpf.Map
 }
@@ -432,6 +443,12 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 		if err := ident.State.Update(uint32(0), &st, ebpf.UpdateAny); err != nil {
 			return fail(fmt.Errorf("initialise state: %w", err))
 		}
+	} else if s.from < sidesLayout {
+		// Before this layout the policy had one side; its programs
+		// never read side 1, this build's will.
+		if err := ident.syncSides(); err != nil {
+			return fail(err)
+		}
 	}
 
 	// Pinned programs are this build's to reuse when the maps stay and
@@ -473,17 +490,22 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 
 // mapFields are the identifier's map fields by pin name (identifierMaps).
 func (i *Identifier) mapFields() map[string]**ebpf.Map {
-	return map[string]**ebpf.Map{
-		mapState:         &i.State,
-		mapCounters:      &i.Counters,
-		mapPortSets:      &i.PortSets,
-		mapSources:       &i.Sources,
-		mapTiers:         &i.Tiers,
-		policyMaps[0][0]: &i.Policy[0][0],
-		policyMaps[0][1]: &i.Policy[0][1],
-		policyMaps[1][0]: &i.Policy[1][0],
-		policyMaps[1][1]: &i.Policy[1][1],
+	fields := map[string]**ebpf.Map{
+		mapState:    &i.State,
+		mapCounters: &i.Counters,
+		mapPortSets: &i.PortSets,
+		mapSources:  &i.Sources,
 	}
+	for s, names := range sideMaps {
+		side := &i.Sides[s]
+		fields[names.tiers] = &side.Tiers
+		for d := range names.policy {
+			for f, name := range names.policy[d] {
+				fields[name] = &side.Policy[d][f]
+			}
+		}
+	}
+	return fields
 }
 
 // openPinnedPrograms reuses pinned programs when both exist and use exactly

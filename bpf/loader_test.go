@@ -70,7 +70,7 @@ func TestOpenIdentifierReusesPins(t *testing.T) {
 	if progID(t, first.Ingress) != progID(t, second.Ingress) || progID(t, first.Egress) != progID(t, second.Egress) {
 		t.Error("second open loaded new programs instead of reusing the pinned ones")
 	}
-	if mapID(t, first.Policy[0][0]) != mapID(t, second.Policy[0][0]) || mapID(t, first.State) != mapID(t, second.State) {
+	if mapID(t, first.Sides[0].Policy[0][0]) != mapID(t, second.Sides[0].Policy[0][0]) || mapID(t, first.State) != mapID(t, second.State) {
 		t.Error("second open created new maps instead of reusing the pinned ones")
 	}
 	if g2, _ := second.Generation(); g2 != gen {

@@ -90,18 +90,29 @@ struct {
 
 // The Admin and Baseline rules of both directions and families (struct
 // tier_key), and the node's addresses among the ingress ones.
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, TIER_TRIE_ENTRIES);
-	__type(key, struct tier_key);
-	__type(value, struct tier_value);
-} tiers SEC(".maps");
+// Each of these, and the policy tries below, exists once per side (struct
+// id_state): the maps are named directly, not through an array of maps,
+// so that a lookup costs what it did with one side.
+#define TIER_TRIE(name)                                                                            \
+	struct {                                                                                   \
+		__uint(type, BPF_MAP_TYPE_LPM_TRIE);                                               \
+		__uint(map_flags, BPF_F_NO_PREALLOC);                                              \
+		__uint(max_entries, TIER_TRIE_ENTRIES);                                            \
+		__type(key, struct tier_key);                                                      \
+		__type(value, struct tier_value);                                                  \
+	} name SEC(".maps")
+
+TIER_TRIE(tiers);
+TIER_TRIE(tiers_1);
 
 POLICY_TRIE(pol_in_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_in_v6, struct lpm_key_v6);
 POLICY_TRIE(pol_eg_v4, struct lpm_key_v4);
 POLICY_TRIE(pol_eg_v6, struct lpm_key_v6);
+POLICY_TRIE(pol_in_v4_1, struct lpm_key_v4);
+POLICY_TRIE(pol_in_v6_1, struct lpm_key_v6);
+POLICY_TRIE(pol_eg_v4_1, struct lpm_key_v4);
+POLICY_TRIE(pol_eg_v6_1, struct lpm_key_v6);
 
 // The port sets of trie entries with many ranges (struct policy_value.ports):
 // twice policy.MaxPortSets, so that a policy's sets and those of the policy
@@ -184,6 +195,7 @@ static __always_inline int source_is_pod(struct __sk_buff *skb, const int family
 // Selector bits of the sel argument of policy_lookup and is_related.
 #define SEL_EGRESS (1u << 31)
 #define SEL_IPV6 (1u << 30)
+#define SEL_SIDE_1 (1u << 28) // side 1's maps (struct id_state)
 #define SEL_PROTO_SHIFT 16
 
 // range_matches reports whether r allows port of protocol proto, without a
@@ -212,7 +224,25 @@ __attribute__((noinline)) int policy_lookup(__u64 addr_hi, __u64 addr_lo, __u32 
 	struct policy_value *v;
 	__builtin_memcpy(key.addr, a.b, 16);
 
-	if (sel & SEL_EGRESS) {
+	if (sel & SEL_SIDE_1) {
+		if (sel & SEL_EGRESS) {
+			if (sel & SEL_IPV6) {
+				v = bpf_map_lookup_elem(&pol_eg_v6_1, &key);
+				KEEP_APART(10);
+			} else {
+				v = bpf_map_lookup_elem(&pol_eg_v4_1, &key);
+				KEEP_APART(11);
+			}
+		} else {
+			if (sel & SEL_IPV6) {
+				v = bpf_map_lookup_elem(&pol_in_v6_1, &key);
+				KEEP_APART(12);
+			} else {
+				v = bpf_map_lookup_elem(&pol_in_v4_1, &key);
+				KEEP_APART(13);
+			}
+		}
+	} else if (sel & SEL_EGRESS) {
 		if (sel & SEL_IPV6) {
 			v = bpf_map_lookup_elem(&pol_eg_v6, &key);
 			KEEP_APART(0);
@@ -292,7 +322,14 @@ __attribute__((noinline)) int tier_lookup(__u64 addr_hi, __u64 addr_lo, __u32 se
 		       ((sel & SEL_IPV6) ? TIER_SEL_IPV6 : 0),
 	};
 	__builtin_memcpy(key.addr, a.b, 16);
-	struct tier_value *v = bpf_map_lookup_elem(&tiers, &key);
+	struct tier_value *v;
+	if (sel & SEL_SIDE_1) {
+		v = bpf_map_lookup_elem(&tiers_1, &key);
+		KEEP_APART(14);
+	} else {
+		v = bpf_map_lookup_elem(&tiers, &key);
+		KEEP_APART(15);
+	}
 	if (!v)
 		return TIER_NO_MATCH;
 	if (v->flags & TIER_ENTRY_NODE)
@@ -346,13 +383,13 @@ static __always_inline int policy_reason(int result)
 // direction), the Baseline tier, strict mode's default deny. The node's
 // addresses have entries in each of the ingress tries, so whichever is
 // consulted first lets them through. A pod no cluster policy selects pays
-// only the test of the Admin bit.
-static __always_inline int judge(int dir, const int family, __u8 enforced, const __u8 *addr, __u8 proto,
-				 __u16 port)
+// only the test of the Admin bit. side selects the maps (struct id_state).
+static __always_inline int judge(int dir, const int family, __u32 side, __u8 enforced, const __u8 *addr,
+				 __u8 proto, __u16 port)
 {
 	union addr_words a = {};
 	__builtin_memcpy(a.b, addr, family == 4 ? 4 : 16);
-	__u32 sel = (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0) |
+	__u32 sel = (dir == DIR_EGRESS ? SEL_EGRESS : 0) | (family == 6 ? SEL_IPV6 : 0) | (side ? SEL_SIDE_1 : 0) |
 		    ((__u32)proto << SEL_PROTO_SHIFT) | port;
 	int r;
 	if (enforced & (ENFORCE_ADMIN << dir)) {
@@ -581,12 +618,14 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, const int family,
 					  struct flow *f, struct id_state *st)
 {
-	// The generation is read once, before anything else of the policy:
-	// ApplyPolicy bumps it after the tries hold the new policy, in the same
-	// write that closes a direction. A packet judged by an older policy is
-	// then stamped with an older generation, never a newer one, and its
-	// flow is re-checked on its next packet.
+	// The generation is read once, before anything else of the policy,
+	// and its parity picks the side whose maps and enforced bits judge the
+	// packet: ApplyPolicy fills the other side, then bumps the generation,
+	// and rewrites the side it left only once no program run that read the
+	// old generation is left. A packet is judged by one policy whole, the
+	// one its generation stamps on the flow.
 	__u32 gen = *(volatile __u32 *)&st->generation;
+	__u32 side = gen & 1;
 
 	if (f->frag)
 		frag_ports(family, f);
@@ -631,7 +670,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 		return deny(skb, dir, f, REASON_SPOOFED, now);
 	}
 	asm volatile("" ::: "memory"); // after the generation (see above)
-	__u8 enforced = *(volatile __u8 *)&st->enforced;
+	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
 	if (!v && !(enforced & (ENFORCE_ANY << dir)))
 		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
 
@@ -643,7 +682,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	__u16 dport = eval_dir == DIR_EGRESS ? peer_port : pod_port;
 	int reason = REASON_NOT_ISOLATED;
 	if (enforced & (ENFORCE_ANY << eval_dir))
-		reason = judge(eval_dir, family, enforced, peer, f->proto, dport);
+		reason = judge(eval_dir, family, side, enforced, peer, f->proto, dport);
 
 	if (v) {
 		if (!reason_denies(reason))

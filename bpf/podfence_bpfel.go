@@ -93,7 +93,7 @@ type podfenceIdState struct {
 	Mode       uint8
 	Enforced   uint8
 	Applying   uint8
-	Pad        uint8
+	Enforced1  uint8
 }
 
 type podfenceLpmKeyV4 struct {
@@ -177,14 +177,19 @@ const (
 	podfenceMapFrags         = "frags"
 	podfenceMapNodeAddrs     = "node_addrs"
 	podfenceMapPolEgV4       = "pol_eg_v4"
+	podfenceMapPolEgV41      = "pol_eg_v4_1"
 	podfenceMapPolEgV6       = "pol_eg_v6"
+	podfenceMapPolEgV61      = "pol_eg_v6_1"
 	podfenceMapPolInV4       = "pol_in_v4"
+	podfenceMapPolInV41      = "pol_in_v4_1"
 	podfenceMapPolInV6       = "pol_in_v6"
+	podfenceMapPolInV61      = "pol_in_v6_1"
 	podfenceMapPortSets      = "port_sets"
 	podfenceMapSources       = "sources"
 	podfenceMapState         = "state"
 	podfenceMapTickClock     = "tick_clock"
 	podfenceMapTiers         = "tiers"
+	podfenceMapTiers1        = "tiers_1"
 	podfenceProgPodEgress    = "pod_egress"
 	podfenceProgPodIngress   = "pod_ingress"
 	podfenceVarCoarseClock   = "coarse_clock"
@@ -249,14 +254,19 @@ type podfenceMapSpecs struct {
 	Frags       *ebpf.MapSpec `ebpf:"frags"`
 	NodeAddrs   *ebpf.MapSpec `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.MapSpec `ebpf:"pol_eg_v4"`
+	PolEgV41    *ebpf.MapSpec `ebpf:"pol_eg_v4_1"`
 	PolEgV6     *ebpf.MapSpec `ebpf:"pol_eg_v6"`
+	PolEgV61    *ebpf.MapSpec `ebpf:"pol_eg_v6_1"`
 	PolInV4     *ebpf.MapSpec `ebpf:"pol_in_v4"`
+	PolInV41    *ebpf.MapSpec `ebpf:"pol_in_v4_1"`
 	PolInV6     *ebpf.MapSpec `ebpf:"pol_in_v6"`
+	PolInV61    *ebpf.MapSpec `ebpf:"pol_in_v6_1"`
 	PortSets    *ebpf.MapSpec `ebpf:"port_sets"`
 	Sources     *ebpf.MapSpec `ebpf:"sources"`
 	State       *ebpf.MapSpec `ebpf:"state"`
 	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
 	Tiers       *ebpf.MapSpec `ebpf:"tiers"`
+	Tiers1      *ebpf.MapSpec `ebpf:"tiers_1"`
 }
 
 // podfenceVariableSpecs contains global variables before they are loaded into the kernel.
@@ -295,14 +305,19 @@ type podfenceMaps struct {
 	Frags       *ebpf.Map `ebpf:"frags"`
 	NodeAddrs   *ebpf.Map `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.Map `ebpf:"pol_eg_v4"`
+	PolEgV41    *ebpf.Map `ebpf:"pol_eg_v4_1"`
 	PolEgV6     *ebpf.Map `ebpf:"pol_eg_v6"`
+	PolEgV61    *ebpf.Map `ebpf:"pol_eg_v6_1"`
 	PolInV4     *ebpf.Map `ebpf:"pol_in_v4"`
+	PolInV41    *ebpf.Map `ebpf:"pol_in_v4_1"`
 	PolInV6     *ebpf.Map `ebpf:"pol_in_v6"`
+	PolInV61    *ebpf.Map `ebpf:"pol_in_v6_1"`
 	PortSets    *ebpf.Map `ebpf:"port_sets"`
 	Sources     *ebpf.Map `ebpf:"sources"`
 	State       *ebpf.Map `ebpf:"state"`
 	TickClock   *ebpf.Map `ebpf:"tick_clock"`
 	Tiers       *ebpf.Map `ebpf:"tiers"`
+	Tiers1      *ebpf.Map `ebpf:"tiers_1"`
 }
 
 func (m *podfenceMaps) Close() error {
@@ -315,14 +330,19 @@ func (m *podfenceMaps) Close() error {
 		m.Frags,
 		m.NodeAddrs,
 		m.PolEgV4,
+		m.PolEgV41,
 		m.PolEgV6,
+		m.PolEgV61,
 		m.PolInV4,
+		m.PolInV41,
 		m.PolInV6,
+		m.PolInV61,
 		m.PortSets,
 		m.Sources,
 		m.State,
 		m.TickClock,
 		m.Tiers,
+		m.Tiers1,
 	)
 }
 

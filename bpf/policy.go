@@ -2,7 +2,6 @@ package bpf
 
 import (
 	"fmt"
-	"net/netip"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -20,172 +19,131 @@ const (
 	stateModeStrict   uint8 = 1
 )
 
-// ApplyPolicy programs the identifier's tries with set and then bumps the
-// policy generation, so that tracked flows are re-checked against the new
-// rules on their next packet. A direction that becomes isolated is closed
-// only once its entries are written, and one that becomes open is opened
-// before its entries are deleted, so no packet meets a half-written policy
-// that denies what both the old and the new one allow; likewise a port set
-// is written before the entries naming it, and deleted only after them.
-// A policy the tries already hold changes nothing, and its tracked flows
-// keep their generation. Callers serialise ApplyPolicy per identifier.
+// ApplyPolicy programs the identifier with set and bumps the policy
+// generation, so that tracked flows are re-checked against the new rules on
+// their next packet. The policy has two sides (struct id_state): the side
+// not in force is written whole, tries, tiers and enforced bits, and the
+// generation bump that makes it the one in force is a single write. A
+// packet is therefore judged by the old policy or the new one, never by
+// layers of both; the port sets the new side names are written before it.
+// Once no program run that read the old generation is left
+// (waitForPrograms), the side left behind is made equal to the new one,
+// ready for the next change, and port sets neither side names are deleted.
+// A policy the side in force already holds changes nothing, and its
+// tracked flows keep their generation. Callers serialise ApplyPolicy per
+// identifier.
 //
-// Within a trie, entries are written longest prefix first and stale ones
-// deleted shortest first, so that every address is judged by its old entry
-// or its new one, never by an entry that gives it neither policy's verdict.
-//
-// A policy that the maps cannot hold next to the one it replaces fails
-// (errors wrapping policy.ErrTooManyEntries or ErrTooManyPortSets) before
-// anything changes. Killed at any point, ApplyPolicy leaves what the next
-// call repairs: the state's applying flag, set before the first change,
-// makes that call bump the generation even when the tries already hold its
-// policy, and it first deletes port sets that no entry names.
+// A policy that the maps cannot hold (errors wrapping
+// policy.ErrTooManyEntries or ErrTooManyPortSets) fails before anything
+// changes. Killed at any point, ApplyPolicy leaves what the next call
+// repairs: the state's applying flag, set before the first write, says the
+// side not in force may differ from the one in force and may still be read
+// by programs, so the next call waits for them before writing it; a policy
+// already in force then only has its other side brought level.
 //
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
 // policy says; after the node's addresses change, apply again.
 func (i *Identifier) ApplyPolicy(set policy.Set) error {
+	if err := i.applyPolicy(set); err != nil {
+		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
+	return nil
+}
+
+func (i *Identifier) applyPolicy(set policy.Set) error {
 	nodes, err := i.global.NodeAddresses()
 	if err != nil {
-		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+		return err
 	}
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
-		return fmt.Errorf("read state of %q: %w", i.ID, err)
+		return fmt.Errorf("read state: %w", err)
 	}
 	sets, err := readPortSets(i.PortSets)
 	if err != nil {
-		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+		return err
 	}
-	var have [2][2]map[string]podfencePolicyValue
-	for d := range i.Policy {
-		for f := range i.Policy[d] {
-			if have[d][f], err = trieEntries(i.Policy[d][f]); err != nil {
-				return fmt.Errorf("read %s policy of %q: %w", policy.Direction(d), i.ID, err)
-			}
-			sets.reserve(have[d][f])
+	inForce := sideOf(st.Generation)
+	var have [2]sideEntries
+	for s := range i.Sides {
+		if have[s], err = i.Sides[s].entries(); err != nil {
+			return fmt.Errorf("read side %d: %w", s, err)
 		}
+		have[s].reserve(sets)
 	}
-	haveTiers, err := tierEntries(i)
-	if err != nil {
-		return fmt.Errorf("read cluster tiers of %q: %w", i.ID, err)
-	}
-	sets.reserveTiers(haveTiers)
 	if err := sets.removeUnnamed(i.PortSets); err != nil {
-		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
+		return fmt.Errorf("remove port sets: %w", err)
 	}
 
-	var desired [2][2]map[string]*podfencePolicyValue
-	for _, d := range []policy.Direction{policy.Ingress, policy.Egress} {
-		v4, v6, err := set.Direction(d).Compile()
-		if err != nil {
-			return fmt.Errorf("compile %s policy of %q: %w", d, i.ID, err)
-		}
-		for f, entries := range [][]policy.Entry{v4, v6} {
-			if desired[d][f], err = sets.encode(entries); err != nil {
-				return fmt.Errorf("encode %s policy of %q: %w", d, i.ID, err)
-			}
-		}
-	}
-	for _, a := range nodes {
-		f := 0
-		if a.Is6() {
-			f = 1
-		}
-		// A host prefix is the longest there is, so the node's entry never
-		// hides a rule from any other address.
-		desired[policy.Ingress][f][string(lpmKey(netip.PrefixFrom(a, a.BitLen())))] = &podfencePolicyValue{Flags: policyNode}
-	}
-	for d := range desired {
-		for f := range desired[d] {
-			sets.use(desired[d][f])
-		}
-	}
-	bits := enforced(&set)
-	desiredTiers, err := sets.encodeTiers(&set, bits, nodes)
+	want, err := desiredEntries(&set, nodes, sets)
 	if err != nil {
-		return fmt.Errorf("encode cluster tiers of %q: %w", i.ID, err)
+		return err
 	}
-	sets.useTiers(desiredTiers)
-	if err := fits(have, desired, sets); err != nil {
-		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	want.use(sets)
+	if err := want.fits(sets); err != nil {
+		return err
 	}
-	if n := len(haveTiers) + newKeys(haveTiers, desiredTiers); n > int(tierCapacity) {
-		return fmt.Errorf("apply policy of %q: cluster tiers: %d entries with those of the rules they replace, the trie holds %d: %w",
-			i.ID, n, tierCapacity, policy.ErrTooManyEntries)
+	mode := stateModeStandard
+	if set.Mode == policy.ModeStrict {
+		mode = stateModeStrict
 	}
 
-	want := st
-	want.Mode = stateModeStandard
-	if set.Mode == policy.ModeStrict {
-		want.Mode = stateModeStrict
-	}
-	want.Enforced = bits
-	want.Applying = 0
-	var diffs []trieChange
-	for d := range desired {
-		for f := range desired[d] {
-			if df := diffTrie(i.Policy[d][f], have[d][f], desired[d][f]); !df.empty() {
-				diffs = append(diffs, df)
-			}
-		}
-	}
-	// The tiers trie changes after the policy tries: a change that moves
-	// a decision from one layer to another can, for the moment between
-	// the two, judge a new flow by the new policy tries and the old tiers.
-	if df := diffTrie(i.Tiers, haveTiers, desiredTiers); !df.empty() {
-		diffs = append(diffs, df)
-	}
 	// Every replica's ADD applies the identifier's policy; only a change
 	// makes the tracked flows of all replicas pay for a re-check.
-	if len(diffs) > 0 || want != st {
-		if err := i.change(st, want, sets, diffs); err != nil {
-			return fmt.Errorf("apply policy of %q: %w", i.ID, err)
-		}
+	current := st.Mode == mode && enforcedOn(st, inForce) == want.enforced && i.Sides[inForce].diff(have[inForce], want).empty()
+	level := enforcedOn(st, 1-inForce) == want.enforced && i.Sides[1-inForce].diff(have[1-inForce], want).empty()
+	switch {
+	case !current:
+		err = i.change(st, mode, want, have, sets)
+	case !level || st.Applying != 0:
+		// A change stopped after its switch: the policy is in force, its
+		// other side is not level yet.
+		err = i.level(st, want, have[1-inForce])
 	}
-	if err := sets.removeUnused(i.PortSets); err != nil {
-		return fmt.Errorf("remove port sets of %q: %w", i.ID, err)
+	if err != nil {
+		return err
 	}
-	return nil
-}
-
-// newKeys counts the keys of want that have does not hold.
-func newKeys[V any](have map[string]V, want map[string]*V) int {
-	n := 0
-	for k := range want {
-		if _, ok := have[k]; !ok {
-			n++
-		}
-	}
-	return n
-}
-
-// fits checks, before anything changes, that the tries and the port sets
-// can hold the desired policy next to the one it replaces, as they must
-// while it does. Set.Check refuses a policy too large on its own; this also
-// covers one read again after the check.
-func fits(have [2][2]map[string]podfencePolicyValue, desired [2][2]map[string]*podfencePolicyValue, sets *portSets) error {
-	for d := range desired {
-		for f := range desired[d] {
-			n := len(have[d][f]) + newKeys(have[d][f], desired[d][f])
-			if n > int(trieCapacity) {
-				return fmt.Errorf("%s policy of IPv%d: %d entries with those of the policy it replaces, a trie holds %d: %w",
-					policy.Direction(d), 4+2*f, n, trieCapacity, policy.ErrTooManyEntries)
-			}
-		}
-	}
-	if n := len(sets.used); n > policy.MaxPortSets {
-		return fmt.Errorf("%d distinct port sets, at most %d: %w", n, policy.MaxPortSets, policy.ErrTooManyPortSets)
+	if err := sets.removeUnused(i.PortSets, false); err != nil {
+		return fmt.Errorf("remove port sets: %w", err)
 	}
 	return nil
 }
 
-// change takes the identifier from state st to want (mode and isolation)
-// with the tries changed by diffs, and bumps the generation.
-func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []trieChange) error {
+// sideOf is the side that generation gen puts in force.
+func sideOf(gen uint32) int { return int(gen & 1) }
+
+// enforcedOn is the enforced bits of side s in st.
+func enforcedOn(st podfenceIdState, s int) uint8 {
+	if s == 1 {
+		return st.Enforced1
+	}
+	return st.Enforced
+}
+
+// setEnforced sets the enforced bits of side s in st.
+func setEnforced(st *podfenceIdState, s int, bits uint8) {
+	if s == 1 {
+		st.Enforced1 = bits
+	} else {
+		st.Enforced = bits
+	}
+}
+
+// change writes want to the side not in force and puts it in force, then
+// levels the side it leaves.
+func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) error {
+	next := 1 - sideOf(st.Generation)
+	if st.Applying != 0 {
+		// A change was stopped: programs may still read the side it
+		// wrote, if it was in force for a moment.
+		if err := waitForPrograms(); err != nil {
+			return err
+		}
+	}
 	st.Applying = 1
-	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
-		return fmt.Errorf("write state: %w", err)
+	if err := i.writeState(st); err != nil {
+		return err
 	}
 	if err := stopAt("flagged"); err != nil {
 		return err
@@ -196,64 +154,72 @@ func (i *Identifier) change(st, want podfenceIdState, sets *portSets, diffs []tr
 	if err := stopAt("sets written"); err != nil {
 		return err
 	}
-	// A direction being opened is opened before its trie is emptied, and
-	// (below) one being closed is closed after its trie is filled: at no
-	// instant is a direction enforced against a trie that is neither the
-	// old policy's nor the new one's. One that stays enforced by other
-	// layers is judged by both policies' layers meanwhile (whileChanging).
-	mid := st
-	mid.Enforced = whileChanging(st.Enforced, want.Enforced)
-	if mid.Enforced != st.Enforced {
-		if err := i.State.Update(uint32(0), &mid, ebpf.UpdateExist); err != nil {
-			return fmt.Errorf("write state: %w", err)
-		}
-		// A packet that read an old bit may still be on its way to
-		// that layer's trie; let it finish before entries go.
-		if st.Enforced&^mid.Enforced != 0 {
-			if err := waitForPrograms(); err != nil {
-				return err
-			}
-		}
-		if err := stopAt("opened"); err != nil {
-			return err
-		}
+	if err := i.Sides[next].diff(have[next], want).apply(); err != nil {
+		return fmt.Errorf("write side %d: %w", next, err)
 	}
-	for _, df := range diffs {
-		if err := df.apply(); err != nil {
-			return err
-		}
-	}
-	if err := stopAt("tries written"); err != nil {
+	st.Mode = mode
+	setEnforced(&st, next, want.enforced)
+	if err := i.writeState(st); err != nil {
 		return err
 	}
-	want.Generation = st.Generation + 1
-	want.Applying = 0
-	if err := i.State.Update(uint32(0), &want, ebpf.UpdateExist); err != nil {
+	if err := stopAt("side written"); err != nil {
+		return err
+	}
+	// The switch: every layer of the new policy at once.
+	st.Generation++
+	if err := i.writeState(st); err != nil {
+		return err
+	}
+	if err := stopAt("switched"); err != nil {
+		return err
+	}
+	return i.level(st, want, have[1-next])
+}
+
+// level makes the side not in force hold want, as the side in force does,
+// once no program that may read it is left, and clears the applying flag.
+// have is what that side holds.
+func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) error {
+	if err := waitForPrograms(); err != nil {
+		return err
+	}
+	other := 1 - sideOf(st.Generation)
+	if err := i.Sides[other].diff(have, want).apply(); err != nil {
+		return fmt.Errorf("level side %d: %w", other, err)
+	}
+	setEnforced(&st, other, want.enforced)
+	st.Applying = 0
+	return i.writeState(st)
+}
+
+func (i *Identifier) writeState(st podfenceIdState) error {
+	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("write state: %w", err)
 	}
 	return nil
 }
 
-// whileChanging is the enforced bits while the tries change from those of
-// old to those of want. A direction one of them leaves open is open
-// meanwhile, as before tiers: one being opened is opened first, one being
-// closed closed last. A direction both enforce is judged by the layers of
-// both, each layer's trie holding, per address, its old entry or its new
-// one: never open, and a strict pod never more open than its old or its
-// new policy. Across layers this is not atomic: for those moments a flow
-// can meet one layer's new entries and another's old ones (the policy
-// tries change before the tiers), and be denied though both policies
-// allow it, or allowed though both deny it (README, "Cluster-wide tiers").
-func whileChanging(old, want uint8) uint8 {
-	const all = enforceAdmin | enforcePolicy | enforceBaseline | enforceDefaultDeny
-	var bits uint8
-	for d := range 2 {
-		o, w := old&(all<<d), want&(all<<d)
-		if o != 0 && w != 0 {
-			bits |= o | w
+// syncSides copies side 0, with its enforced bits, into side 1: what a
+// take-over of a layout before sides does before any program of this build
+// runs, so that either parity of the generation finds the policy.
+func (i *Identifier) syncSides() error {
+	var st podfenceIdState
+	if err := i.State.Lookup(uint32(0), &st); err != nil {
+		return fmt.Errorf("read state: %w", err)
+	}
+	var have [2]sideEntries
+	for s := range i.Sides {
+		var err error
+		if have[s], err = i.Sides[s].entries(); err != nil {
+			return fmt.Errorf("read side %d: %w", s, err)
 		}
 	}
-	return bits
+	want := have[0].want(st.Enforced)
+	if err := i.Sides[1].diff(have[1], want).apply(); err != nil {
+		return fmt.Errorf("copy side 0 to side 1: %w", err)
+	}
+	st.Enforced1 = st.Enforced
+	return i.writeState(st)
 }
 
 // stopAt is where a test makes change stop between two of its steps, as a

@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -19,8 +20,15 @@ import (
 // opened, an entry naming a port set not yet written, and a trie whose
 // entries are partly the old policy's and partly the new one's (where a
 // longest-prefix match can find an entry that gives an address neither
-// policy's verdict).
+// policy's verdict), or layers of both (the decision moves between the
+// cluster tiers and the policy tries, and a packet meets one's new entries
+// and the other's old ones).
 func TestApplyPolicyNeverMixesPolicies(t *testing.T) {
+	admin := func(set policy.Set, action policy.Action, cidr string) policy.Set {
+		set.Cluster.Admin[policy.Ingress] = policy.TierRules{{CIDR: netip.MustParsePrefix(cidr), Action: action,
+			Ports: []policy.PortRange{{Last: 65535}}}}
+		return set
+	}
 	for _, c := range []struct {
 		name  string
 		sets  []policy.Set
@@ -62,6 +70,30 @@ func TestApplyPolicyNeverMixesPolicies(t *testing.T) {
 				isolate(rules(rule("10.0.0.0/8", tcpPort(80))), nil),
 			},
 			frame: syn(tcp("10.1.2.3", pod4, 40000, 22)).Marshal(),
+			want:  VerdictDrop,
+		},
+		{
+			// An Admin Accept over a NetworkPolicy that allows
+			// nothing, then a NetworkPolicy allow and no cluster
+			// rule: the new tries with the old tiers deny.
+			name: "an allow moves between the tiers and the policy tries",
+			sets: []policy.Set{
+				admin(isolate(rules(), nil), policy.ActionAccept, "10.1.0.0/16"),
+				isolate(rules(rule("10.1.0.0/16")), nil),
+			},
+			frame: syn(tcp("10.1.2.3", pod4, 40000, 80)).Marshal(),
+			want:  VerdictAllow,
+		},
+		{
+			// An Admin Deny over a NetworkPolicy allow, then a
+			// NetworkPolicy that allows another range: the old
+			// tries' allow with the new (empty) tiers passes.
+			name: "a deny moves between the tiers and the policy tries",
+			sets: []policy.Set{
+				admin(isolate(rules(rule("10.1.0.0/16")), nil), policy.ActionDeny, "10.1.0.0/16"),
+				isolate(rules(rule("10.2.0.0/16")), nil),
+			},
+			frame: syn(tcp("10.1.2.3", pod4, 40000, 80)).Marshal(),
 			want:  VerdictDrop,
 		},
 	} {

@@ -68,11 +68,11 @@ func (s *portSets) reserveTiers(entries map[string]podfenceTierValue) {
 	}
 }
 
-// removeUnnamed deletes the sets that no entry of the tries names now, left
-// by an ApplyPolicy that stopped after writing them or before deleting
-// them. They would otherwise hold keys the new policy may need.
+// removeUnnamed deletes the sets that no entry of either side names now,
+// left by an ApplyPolicy that stopped after writing them or before
+// deleting them. They would otherwise hold keys the new policy may need.
 func (s *portSets) removeUnnamed(m *ebpf.Map) error {
-	return s.removeHeldExcept(m, s.named)
+	return s.removeHeldExcept(m, s.named, true)
 }
 
 // encode returns the trie contents for entries, keyed by the binary LPM key
@@ -173,15 +173,17 @@ func (s *portSets) writeNew(m *ebpf.Map) error {
 }
 
 // removeUnused deletes the sets that no desired entry names. It runs after
-// the tries hold the desired entries.
-func (s *portSets) removeUnused(m *ebpf.Map) error {
-	return s.removeHeldExcept(m, s.used)
+// both sides hold the desired entries; wait says that programs may still
+// hold an entry naming such a set (no grace period has passed since one
+// was in force).
+func (s *portSets) removeUnused(m *ebpf.Map, wait bool) error {
+	return s.removeHeldExcept(m, s.used, wait)
 }
 
 // removeHeldExcept deletes the sets the map holds whose keys are not in
-// keep, once the programs that might have read an old entry naming one
-// have finished.
-func (s *portSets) removeHeldExcept(m *ebpf.Map, keep map[uint32]bool) error {
+// keep, once (wait) the programs that might have read an old entry naming
+// one have finished.
+func (s *portSets) removeHeldExcept(m *ebpf.Map, keep map[uint32]bool, wait bool) error {
 	var gone []uint32
 	for k := range s.inMap {
 		if !keep[k] {
@@ -191,8 +193,10 @@ func (s *portSets) removeHeldExcept(m *ebpf.Map, keep map[uint32]bool) error {
 	if len(gone) == 0 {
 		return nil
 	}
-	if err := waitForPrograms(); err != nil {
-		return err
+	if wait {
+		if err := waitForPrograms(); err != nil {
+			return err
+		}
 	}
 	for _, k := range gone {
 		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {

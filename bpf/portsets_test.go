@@ -73,24 +73,18 @@ func TestPortSetKeyNamedByEntry(t *testing.T) {
 	}
 }
 
-// namedKeys returns the port-set keys the entries of every trie name.
+// namedKeys returns the port-set keys the entries of both sides name.
 func namedKeys(t *testing.T, h *harness) map[uint32]bool {
 	t.Helper()
-	keys := map[uint32]bool{}
-	for d := range h.id.Policy {
-		for f := range h.id.Policy[d] {
-			entries, err := trieEntries(h.id.Policy[d][f])
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, v := range entries {
-				if namesSet(v) {
-					keys[v.Ports] = true
-				}
-			}
+	sets := &portSets{named: map[uint32]bool{}}
+	for s := range h.id.Sides {
+		e, err := h.id.Sides[s].entries()
+		if err != nil {
+			t.Fatal(err)
 		}
+		e.reserve(sets)
 	}
-	return keys
+	return sets.named
 }
 
 // setKeys returns the keys port_sets holds.

@@ -108,6 +108,10 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 		}
 		if p == renewCreate && m.existing {
 			closeMaps(pinned)
+			if from < LayoutVersion && len(pinned) > 0 {
+				// A map that an earlier layout did not have.
+				return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), m.errRenew)
+			}
 			return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), errNotPinned)
 		}
 		if (p == renewCopy || p == renewFresh) && !m.renew {

@@ -6,8 +6,10 @@ import (
 	"flag"
 	"fmt"
 	"maps"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -195,6 +197,35 @@ func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Se
 		})
 }
 
+// pinLayout3 pins id as a build of layout 3 did, with set applied: one
+// side of the policy (no _1 maps; its programs here get unpinned ones),
+// the state's side-1 bits padding, and a generation of either parity.
+func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, odd bool) *Identifier {
+	t.Helper()
+	side1 := map[string]bool{}
+	for d := range sideMaps[1].policy {
+		for _, name := range sideMaps[1].policy[d] {
+			side1[name] = true
+		}
+	}
+	side1[sideMaps[1].tiers] = true
+	old := pinBuild(t, g, root, id, set, marker{version: 3, object: "a-layout-3-build"},
+		func(name string, _ *ebpf.MapSpec) bool { return !side1[name] })
+	var st podfenceIdState
+	if err := old.State.Lookup(uint32(0), &st); err != nil {
+		t.Fatal(err)
+	}
+	st.Enforced1 = 0
+	st.Generation &^= 1
+	if odd {
+		st.Generation |= 1
+	}
+	if err := old.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
+		t.Fatal(err)
+	}
+	return old
+}
+
 // pinBuild pins id's maps, shaped by shape (which says whether a map is
 // pinned), and programs loaded against them, with set applied and mk as
 // the directory's marker.
@@ -266,7 +297,7 @@ func TestRenewIdentifier(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	oldTrie, err := trieEntries(old.Policy[policy.Ingress][0])
+	oldTrie, err := trieEntries(old.Sides[0].Policy[policy.Ingress][0])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -283,14 +314,15 @@ func TestRenewIdentifier(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ident.Close()
-	wantMaps := []string{pinpath.MapPolInV4, pinpath.MapPolInV6, pinpath.MapPolEgV4, pinpath.MapPolEgV6}
+	wantMaps := []string{pinpath.MapPolInV4, pinpath.MapPolInV6, pinpath.MapPolEgV4, pinpath.MapPolEgV6,
+		pinpath.MapPolInV4Side1, pinpath.MapPolInV6Side1, pinpath.MapPolEgV4Side1, pinpath.MapPolEgV6Side1}
 	if rn.From != LayoutVersion || !rn.Programs || !slices.Equal(rn.Maps, wantMaps) {
 		t.Errorf("renewal %+v, want from %d, programs, maps %v", rn, LayoutVersion, wantMaps)
 	}
-	if ident.Policy[policy.Ingress][0].MaxEntries() != trieCapacity {
-		t.Errorf("renewed trie holds %d entries, want %d", ident.Policy[policy.Ingress][0].MaxEntries(), trieCapacity)
+	if ident.Sides[0].Policy[policy.Ingress][0].MaxEntries() != trieCapacity {
+		t.Errorf("renewed trie holds %d entries, want %d", ident.Sides[0].Policy[policy.Ingress][0].MaxEntries(), trieCapacity)
 	}
-	if got, err := trieEntries(ident.Policy[policy.Ingress][0]); err != nil || !maps.Equal(got, oldTrie) {
+	if got, err := trieEntries(ident.Sides[0].Policy[policy.Ingress][0]); err != nil || !maps.Equal(got, oldTrie) {
 		t.Errorf("renewed trie has %v (%v), want the old entries %v", got, err, oldTrie)
 	}
 	if mapID(t, ident.State) != mapID(t, old.State) {
@@ -490,6 +522,65 @@ func TestRenewLayout1(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(ident.Dir, pinpath.MapSources)); err != nil {
 		t.Errorf("sources map not pinned: %v", err)
+	}
+}
+
+// TestRenewLayout3: a take-over of layout 3, which had one side of the
+// policy, copies it with its enforced bits into side 1 before this build's
+// programs run, so that they enforce it whatever the generation's parity,
+// and keeps the generation, so that tracked flows are not re-checked.
+func TestRenewLayout3(t *testing.T) {
+	for _, odd := range []bool{false, true} {
+		t.Run(fmt.Sprintf("odd generation %v", odd), func(t *testing.T) {
+			root, g := openGlobal(t)
+			id := podid.ID("web-7f65cc6544@default")
+			set := isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil)
+			set.Cluster.Admin[policy.Ingress] = policy.TierRules{{CIDR: netip.MustParsePrefix("10.1.9.0/24"), Action: policy.ActionDeny,
+				Ports: []policy.PortRange{tcpPort(80)}}}
+			old := pinLayout3(t, g, root, id, set, odd)
+			oldGen, err := old.Generation()
+			if err != nil {
+				t.Fatal(err)
+			}
+			side0, err := old.Sides[0].entries()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// An inspection says to upgrade, not that nothing is pinned.
+			if _, err := OpenExistingIdentifier(g, identDir(root, id), id); !errors.Is(err, ErrIncompatiblePin) {
+				t.Errorf("inspecting layout 3 pins: %v, want ErrIncompatiblePin", err)
+			}
+
+			ident, rn, err := RenewIdentifier(g, identDir(root, id), id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ident.Close()
+			if rn.From != 3 || !rn.Programs {
+				t.Errorf("renewal %+v, want from 3, programs replaced", rn)
+			}
+			h := &harness{root: root, g: g, id: ident}
+			st := h.state(t)
+			if st.Generation != oldGen || st.Enforced1 != st.Enforced || st.Enforced == 0 {
+				t.Errorf("state after the take-over %+v, want generation %d and side 1's bits those of side 0", st, oldGen)
+			}
+			side1, err := ident.Sides[1].entries()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(side1, side0) {
+				t.Error("side 1 after the take-over differs from side 0")
+			}
+			for _, tc := range []struct {
+				src  string
+				want uint32
+			}{{"10.1.2.3", VerdictAllow}, {"10.1.9.9", VerdictDrop}, {"10.9.0.1", VerdictDrop}} {
+				frame := syn(tcp(tc.src, "10.0.0.5", 40000, 80)).Marshal()
+				if ret, reason := h.runReason(t, policy.Ingress, frame); ret != tc.want {
+					t.Errorf("%s -> :80: %#x (%s), want %#x", tc.src, ret, reason, tc.want)
+				}
+			}
+		})
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"unsafe"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -140,8 +142,8 @@ func tierSets(v *podfenceTierValue) []uint32 {
 	return keys
 }
 
-// tierEntries reads the tiers trie, keyed as tierKey encodes prefixes.
-func tierEntries(i *Identifier) (map[string]podfenceTierValue, error) {
-	entries, err := readEntries[tierKeyBytes, podfenceTierValue](i.Tiers)
+// tierEntries reads a tiers trie, keyed as tierKey encodes prefixes.
+func tierEntries(m *ebpf.Map) (map[string]podfenceTierValue, error) {
+	entries, err := readEntries[tierKeyBytes, podfenceTierValue](m)
 	return stringKeys(entries, err, func(k tierKeyBytes) string { return string(k[:]) })
 }

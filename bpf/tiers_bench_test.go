@@ -16,14 +16,20 @@ import (
 // beforeTiers is layout 2's last build, the one before the cluster tiers.
 const beforeTiers = "c704f0eb2a2c27bb60094a9c69ab20c9c6e13579"
 
+// beforeSides is layout 3's last build, the one before the policy had two
+// sides (struct id_state).
+const beforeSides = "7ee03b579497ce6c327f5f62cac8ef3f1e6dfb6e"
+
 // BenchmarkTiers reports what the cluster tiers cost a pod's new flow
 // (egress, to a /24 its NetworkPolicy allows TCP/80 to), as the median
 // kernel time of single runs, each a new flow, beside the build before
 // tiers measured in this run ("x-previous"):
 //
 //   - previous: the build before tiers, the same policy;
+//   - before-sides: the build before the policy's two sides, the same
+//     policy ("x-before-sides" compares the cases with it);
 //   - none: this build, no cluster policy selects the pod: it must cost
-//     what previous does;
+//     what previous and before-sides do;
 //   - admin: one Admin rule that holds the address and passes it on (one
 //     lookup more);
 //   - admin-baseline: no NetworkPolicy; an Admin Pass, then a Baseline
@@ -34,6 +40,7 @@ const beforeTiers = "c704f0eb2a2c27bb60094a9c69ab20c9c6e13579"
 // ct-hit/admin is a tracked flow of the admin case: tiers must not change it.
 func BenchmarkTiers(b *testing.B) {
 	prev := previousEgress(b, beforeTiers)
+	sides := previousEgress(b, beforeSides)
 	h := newHarness(b)
 	dst := netip.MustParsePrefix("10.9.0.0/24")
 	frame := func(i int) []byte {
@@ -54,30 +61,37 @@ func BenchmarkTiers(b *testing.B) {
 			Action: policy.ActionDeny, Priority: uint16(i)})
 	}
 	prev.program(b, np)
-	// The build before tiers checks sources too: the pod's entry, as its ADD wrote it.
+	sides.program(b, np)
+	// The earlier builds check sources too: the pod's entry, as its ADD wrote it.
 	src, err := Sources{Addrs: []netip.Addr{ip(pod4), ip(pod6)}}.encode()
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := prev.coll.Maps[mapSources].Update(uint32(testIfindex), &src, ebpf.UpdateAny); err != nil {
-		b.Fatal(err)
+	for _, p := range []*previousBuild{prev, sides} {
+		if err := p.coll.Maps[mapSources].Update(uint32(testIfindex), &src, ebpf.UpdateAny); err != nil {
+			b.Fatal(err)
+		}
 	}
 	cases := []struct {
 		name string
 		set  policy.Set
 	}{
 		{"previous", np},
+		{"before-sides", np},
 		{"none", np},
 		{"admin", withTiers(np, policy.TierRules{pass}, nil)},
 		{"admin-baseline", withTiers(policy.Set{Mode: policy.ModeStandard}, policy.TierRules{pass}, policy.TierRules{accept})},
 		{"admin-24", withTiers(np, append(slots, pass), nil)},
 	}
-	var base float64
+	var base, baseSides float64
 	for _, c := range cases {
 		b.Run("allow-new/"+c.name, func(b *testing.B) {
 			prog := h.id.Egress
-			if c.name == "previous" {
+			switch c.name {
+			case "previous":
 				prog = prev.egress
+			case "before-sides":
+				prog = sides.egress
 			}
 			h.apply(b, c.set)
 			runs := make([]float64, b.N)
@@ -85,6 +99,7 @@ func BenchmarkTiers(b *testing.B) {
 				if i%60000 == 0 {
 					h.flushCT(b)
 					prev.flush(b)
+					sides.flush(b)
 				}
 				ret, d, err := prog.Benchmark(frame(i), 1, nil)
 				if err != nil || ret != VerdictAllow {
@@ -93,12 +108,18 @@ func BenchmarkTiers(b *testing.B) {
 				runs[i] = float64(d.Nanoseconds())
 			}
 			ns := median(runs)
-			if c.name == "previous" {
+			switch c.name {
+			case "previous":
 				base = ns
+			case "before-sides":
+				baseSides = ns
 			}
 			b.ReportMetric(ns, "ns/op")
 			if base > 0 {
 				b.ReportMetric(ns/base, "x-previous")
+			}
+			if baseSides > 0 {
+				b.ReportMetric(ns/baseSides, "x-before-sides")
 			}
 		})
 	}

@@ -43,30 +43,3 @@ func TestEnforced(t *testing.T) {
 		}
 	}
 }
-
-// TestWhileChanging: the state while the tries change leaves no direction
-// open that the old and the new policy both enforce, and consults the
-// layers of both there.
-func TestWhileChanging(t *testing.T) {
-	for _, c := range []struct {
-		name           string
-		old, want, mid uint8
-	}{
-		{"unchanged", enforcePolicy, enforcePolicy, enforcePolicy},
-		{"opened: at once", enforcePolicy, 0, 0},
-		{"closed: at the end", 0, enforcePolicy, 0},
-		{"admin added", enforcePolicy, enforceAdmin | enforcePolicy, enforceAdmin | enforcePolicy},
-		{"admin removed", enforceAdmin | enforcePolicy, enforcePolicy, enforceAdmin | enforcePolicy},
-		{"admin appears on an open direction: at the end", 0, enforceAdmin, 0},
-		{"strict gains a baseline", enforcePolicy, enforceBaseline | enforceDefaultDeny, enforcePolicy | enforceBaseline | enforceDefaultDeny},
-		{"strict loses its baseline", enforceBaseline | enforceDefaultDeny, enforcePolicy, enforcePolicy | enforceBaseline | enforceDefaultDeny},
-		{"networkpolicy replaced by a baseline", enforcePolicy, enforceBaseline, enforcePolicy | enforceBaseline},
-		{"admin replaced by a networkpolicy", enforceAdmin, enforcePolicy, enforceAdmin | enforcePolicy},
-		{"egress alone", enforcePolicy << 1, enforceBaseline << 1, (enforcePolicy | enforceBaseline) << 1},
-		{"one direction each", enforcePolicy, enforceBaseline << 1, 0},
-	} {
-		if got := whileChanging(c.old, c.want); got != c.mid {
-			t.Errorf("%s: %#08b -> %#08b: %#08b meanwhile, want %#08b", c.name, c.old, c.want, got, c.mid)
-		}
-	}
-}

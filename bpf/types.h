@@ -52,14 +52,20 @@ enum enforced_bits {
 #define ENFORCE_ANY (ENFORCE_ADMIN | ENFORCE_POLICY | ENFORCE_BASELINE | ENFORCE_DEFAULT_DENY)
 
 // State of one identifier (array map with one entry).
+// The policy has two sides, each a full copy of the maps that judge a new
+// flow (the tries pol_* and tiers, suffixed _1 on side 1) with its own
+// enforced bits; the generation's parity selects the side in force.
+// ApplyPolicy writes the other side, then bumps the generation: one write
+// moves every layer to the new policy at once (policy.go).
 struct id_state {
 	__u32 generation; // bumped by every policy change; stale conntrack entries are re-checked
 	__u8 mode;        // 0 standard, 1 strict (informational: enforced already encodes it)
-	// enum enforced_bits, per direction. Bits 0 and 1 (ENFORCE_POLICY) were
-	// all there was before layout 3, with the same meaning.
+	// enum enforced_bits of side 0, per direction. Bits 0 and 1
+	// (ENFORCE_POLICY) were all there was before layout 3, with the same
+	// meaning; before layout 4 there was only this side.
 	__u8 enforced;
-	__u8 applying;    // set while ApplyPolicy changes the policy (the datapath ignores it)
-	__u8 pad;
+	__u8 applying;   // set while ApplyPolicy changes the policy (the datapath ignores it)
+	__u8 enforced_1; // side 1's (padding before layout 4)
 };
 
 // One allowed port range. proto 0 matches every protocol.

@@ -26,7 +26,10 @@ import (
 // testdata/layout-v<N>.txt. A map whose entries change format or meaning
 // also gets the new version as its since, which tells a later build that
 // its entries cannot be copied from pins of an earlier layout.
-const LayoutVersion = 3
+const LayoutVersion = 4
+
+// sidesLayout is the layout that gave the policy two sides (struct id_state).
+const sidesLayout = 4
 
 // ErrNewerLayout is wrapped when the pins were made by a build of a later
 // layout than this one. podfence never downgrades pins: this build cannot

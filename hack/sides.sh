@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Prints what atomic policy changes through two policy sides per identifier
-# would cost (not built yet; the design is in the README's tiers section):
-# a trie lookup through the side's map slot against a direct one, and the
-# grace period a change would wait. Root, clang.
+# Prints what the two policy sides per identifier (README, tiers section)
+# cost and what their alternative would have: the grace period a change
+# waits before it rewrites the side it left, and a trie lookup through an
+# ARRAY_OF_MAPS slot against a direct one (the datapath names both sides'
+# maps directly). Root, clang.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)

@@ -55,7 +55,7 @@ type boundIdState struct {
 	Mode       uint8
 	Enforced   uint8
 	Applying   uint8
-	Pad        uint8
+	Enforced1  uint8
 }
 
 type boundLpmKeyV4 struct {

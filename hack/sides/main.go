@@ -1,9 +1,9 @@
-// Command sides prints what a two-sided policy (README, "Cluster-wide
-// tiers": the change that is not atomic across layers) would cost, measured
-// on this machine: a trie lookup through the side's ARRAY_OF_MAPS slot
-// against a direct one, in the same run, and the grace period a change
-// would wait before rewriting the side it left (membarrier, as
-// bpf.waitForPrograms). Root; hack/sides.sh compiles the programs first.
+// Command sides prints, measured on this machine, what the two-sided policy
+// (README, "Cluster-wide tiers") costs a change, the grace period it waits
+// before rewriting the side it left (membarrier, as bpf.waitForPrograms),
+// and what the alternative to naming both sides' maps directly would cost
+// a packet: a trie lookup through an ARRAY_OF_MAPS slot against a direct
+// one, in the same run. Root; hack/sides.sh compiles the programs first.
 package main
 
 import (

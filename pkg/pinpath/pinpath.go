@@ -81,6 +81,14 @@ const (
 	MapPolEgV6  = "pol_eg_v6"
 	MapSources  = "sources"
 	MapTiers    = "tiers"
+
+	// Side 1 of the policy (the maps above are side 0): a change is
+	// written to the side not in force, then made current at once.
+	MapPolInV4Side1 = "pol_in_v4_1"
+	MapPolInV6Side1 = "pol_in_v6_1"
+	MapPolEgV4Side1 = "pol_eg_v4_1"
+	MapPolEgV6Side1 = "pol_eg_v6_1"
+	MapTiersSide1   = "tiers_1"
 )
 
 // GlobalMaps are the map pins in GlobalDir.
@@ -91,7 +99,8 @@ func GlobalMaps() []string {
 // IdentifierMaps are the map pins of an identifier's directory, beside its
 // two program pins and MembersDir.
 func IdentifierMaps() []string {
-	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6, MapSources, MapTiers}
+	return []string{MapState, MapCounters, MapPortSets, MapPolInV4, MapPolInV6, MapPolEgV4, MapPolEgV6, MapSources, MapTiers,
+		MapPolInV4Side1, MapPolInV6Side1, MapPolEgV4Side1, MapPolEgV6Side1, MapTiersSide1}
 }
 
 // Root is a pin root: a directory on bpffs that podfence owns.

@@ -7,9 +7,12 @@ import (
 	"slices"
 )
 
-// Limits of the datapath's encoding. The datapath holds twice MaxEntries
-// and MaxPortSets (plus 256 node addresses per trie), so that a policy and
-// the one replacing it fit at once.
+// Limits of the datapath's encoding. A trie holds twice MaxEntries plus
+// 256 node addresses: each side of an identifier's policy holds one policy
+// (since layout 4; before, a trie held a policy and its successor), and
+// the room left lets a later build raise the limit without a layout
+// change. The port sets, which both sides share, hold twice MaxPortSets:
+// a policy's and those of the one replacing it.
 const (
 	// MaxEntries is how many entries Compile may return for one family:
 	// the prefixes of one direction's trie.

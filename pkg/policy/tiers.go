@@ -15,9 +15,10 @@ import (
 const MaxTierRules = 24
 
 // MaxTierEntries is how many prefixes the cluster rules of one identifier
-// may compile to, both tiers, directions and families together: the
-// datapath's tiers trie holds twice as many, so that the rules and those
-// they replace fit at once, and 256 node addresses per ingress tier.
+// may compile to, both tiers, directions and families together: each
+// side's tiers trie holds twice as many (room that lets a later build
+// raise the limit without a layout change) and 256 node addresses per
+// ingress tier.
 const MaxTierEntries = 1792
 
 // TierRules are the rules of one tier in one direction of one identifier:

@@ -75,14 +75,15 @@ func NextLayout(t testing.TB) string {
 	return out
 }
 
-// PreviousBuild is the last commit of layout 2, the build before the
-// cluster policy tiers: the build every node ran until this layout.
-// (Layout 1, before the source check, ended at f9c911c; this build still
-// takes its pins over, which bpf's TestRenewLayout1 checks.)
+// PreviousBuild is the last commit of layout 3, the build before the
+// policy had two sides: the build every node ran until this layout.
+// (Layout 2, before the cluster tiers, ended at c704f0e, and layout 1,
+// before the source check, at f9c911c; this build still takes their pins
+// over, which bpf's TestRenewLayout1 checks for the oldest.)
 const (
-	PreviousBuild       = "c704f0eb2a2c27bb60094a9c69ab20c9c6e13579"
-	PreviousLayout      = 2
-	PreviousReasonCount = 12
+	PreviousBuild       = "7ee03b579497ce6c327f5f62cac8ef3f1e6dfb6e"
+	PreviousLayout      = 3
+	PreviousReasonCount = 16
 )
 
 // Previous builds podfence and podfence-sweeper of previousBuild from

@@ -18,17 +18,16 @@ import (
 	"github.com/podfence/podfence/test/builds"
 )
 
-// TestUpgradeFromPreviousLayout: a node of the build before the cluster
-// policy tiers (layout 2: no tiers map, counters of 12 reasons) carries
-// live traffic through a service VIP while this build's plugin adds a
-// replica and its sweeper starts, as a rollout does. No allowed connection
-// fails and the stranger never gets through; every member keeps its
-// sources entry (else its new flows would be dropped as spoofed); the
-// counters keep their reasons (a counter of the earlier layout under the
-// index it had would show up as another reason); the moved members are
-// held to their own addresses; and a cluster policy written after the
-// take-over is enforced on the moved identifiers, through the tiers map
-// the take-over created.
+// TestUpgradeFromPreviousLayout: a node of the build before the policy
+// had two sides (layout 3: one set of policy tries and tiers) carries live
+// traffic through a service VIP while this build's plugin adds a replica
+// and its sweeper starts, as a rollout does. No allowed connection fails
+// and the stranger never gets through (so the take-over's copy of the
+// policy into side 1 is in place whichever side the generation selects);
+// every member keeps its sources entry (else its new flows would be
+// dropped as spoofed); the counters keep their reasons; the moved members
+// are held to their own addresses; and a cluster policy written after the
+// take-over is enforced on the moved identifiers, through a side change.
 func TestUpgradeFromPreviousLayout(t *testing.T) {
 	prev := builds.Previous(t)
 	for _, mode := range attachModes(t) {
@@ -117,7 +116,7 @@ func testUpgradeFromPrevious(t *testing.T, mode, prev string) {
 }
 
 // previousCounters reads an identifier's counters as the previous layout
-// indexes them (direction*11 + reason).
+// indexes them (direction*PreviousReasonCount + reason).
 func previousCounters(t *testing.T, c *cluster, id podid.ID) bpf.Counters {
 	t.Helper()
 	m, err := ebpf.LoadPinnedMap(filepath.Join(c.identifierDir(string(id)), pinpath.MapCounters), &ebpf.LoadPinOptions{ReadOnly: true})

@@ -186,8 +186,9 @@ func testUpgrade(t *testing.T, mode, next string) {
 			replaced.maps = append(replaced.maps, m)
 		}
 	}
-	if len(replaced.maps) != 4*len(ids) {
-		t.Errorf("%d maps replaced, want the %d tries of %d identifiers", len(replaced.maps), 4, len(ids))
+	// The next layout doubles the capacity of the policy tries of both sides.
+	if len(replaced.maps) != 8*len(ids) {
+		t.Errorf("%d maps replaced, want the %d policy tries of %d identifiers", len(replaced.maps), 8, len(ids))
 	}
 	waitFreed(t, "after the upgrade", replaced)
 

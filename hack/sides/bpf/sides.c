@@ -1,7 +1,7 @@
-// Not shipped: measures the one cost per packet that atomic policy changes
-// (two policy sides per identifier, chosen by the generation's parity) would
-// add: reaching an LPM trie through an ARRAY_OF_MAPS slot instead of
-// referencing it directly. hack/sides.sh builds and runs it.
+// Not shipped: measures what the two policy sides per identifier (chosen by
+// the generation's parity) would cost a packet had they been slots of an
+// ARRAY_OF_MAPS, beside referencing a trie directly as the datapath does.
+// hack/sides.sh builds and runs it.
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
