@@ -21,6 +21,9 @@ type IdentifierInfo struct {
 	// Admin and Baseline by policy.Direction: cluster rules of that tier
 	// judge the direction's new flows.
 	Admin, Baseline [2]bool
+	// Changing: a policy change is under way, or was stopped, and the
+	// side it left behind is not level yet (policy.go).
+	Changing        bool
 	Counters        Counters
 	Ingress, Egress ebpf.ProgramID
 	// Layout is what the identifier's layout marker records ("v1
@@ -79,6 +82,7 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	}
 	info.Generation = st.Generation
 	info.Mode = stateMode(st)
+	info.Changing = st.Applying != 0
 	bits := enforcedOn(st, sideOf(st.Generation))
 	for d := range 2 {
 		info.Isolated[d] = bits&((enforcePolicy|enforceDefaultDeny)<<d) != 0

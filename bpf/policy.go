@@ -27,7 +27,7 @@ const (
 // packet is therefore judged by the old policy or the new one, never by
 // layers of both; the port sets the new side names are written before it.
 // Once no program run that read the old generation is left
-// (waitForPrograms), the side left behind is made equal to the new one,
+// (WaitForPrograms), the side left behind is made equal to the new one,
 // ready for the next change, and port sets neither side names are deleted.
 // A policy the side in force already holds changes nothing, and its
 // tracked flows keep their generation. Callers serialise ApplyPolicy per
@@ -45,44 +45,85 @@ const (
 // tries that allow everything, so that kubelet probes pass whatever the
 // policy says; after the node's addresses change, apply again.
 func (i *Identifier) ApplyPolicy(set policy.Set) error {
-	if err := i.applyPolicy(set); err != nil {
+	lv, err := i.SwitchPolicy(set)
+	if err != nil || lv == nil {
+		return err
+	}
+	if err := WaitForPrograms(); err != nil {
 		return fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
+	return lv.Level()
+}
+
+// Leveling is what a policy change has left to do once it is in force:
+// make the side it left behind level with the new one, and delete the
+// port sets neither names, which must wait until no program run that read
+// the old generation is left.
+type Leveling struct {
+	i    *Identifier
+	st   podfenceIdState // as the switch left it
+	want sideWant
+	have sideEntries // what the side left behind holds
+	sets *portSets
+}
+
+// SwitchPolicy is ApplyPolicy without its wait: it puts set in force and
+// returns what is left (nil when nothing is), which the caller completes
+// with Level once WaitForPrograms has returned, still holding the
+// identifier. A caller that changes many identifiers (node.ReapplyPolicies)
+// switches them all and waits once. Left undone, by a process killed in
+// between, the identifier's next change does it, waiting for itself.
+func (i *Identifier) SwitchPolicy(set policy.Set) (*Leveling, error) {
+	lv, err := i.switchPolicy(set)
+	if err != nil {
+		return nil, fmt.Errorf("apply policy of %q: %w", i.ID, err)
+	}
+	return lv, nil
+}
+
+// Level completes the change SwitchPolicy made, after WaitForPrograms.
+func (lv *Leveling) Level() error {
+	if err := lv.i.level(lv.st, lv.want, lv.have); err != nil {
+		return fmt.Errorf("apply policy of %q: %w", lv.i.ID, err)
+	}
+	if err := lv.sets.removeUnused(lv.i.PortSets, false); err != nil {
+		return fmt.Errorf("apply policy of %q: remove port sets: %w", lv.i.ID, err)
 	}
 	return nil
 }
 
-func (i *Identifier) applyPolicy(set policy.Set) error {
+func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 	nodes, err := i.global.NodeAddresses()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
-		return fmt.Errorf("read state: %w", err)
+		return nil, fmt.Errorf("read state: %w", err)
 	}
 	sets, err := readPortSets(i.PortSets)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	inForce := sideOf(st.Generation)
 	var have [2]sideEntries
 	for s := range i.Sides {
 		if have[s], err = i.Sides[s].entries(); err != nil {
-			return fmt.Errorf("read side %d: %w", s, err)
+			return nil, fmt.Errorf("read side %d: %w", s, err)
 		}
 		have[s].reserve(sets)
 	}
 	if err := sets.removeUnnamed(i.PortSets); err != nil {
-		return fmt.Errorf("remove port sets: %w", err)
+		return nil, fmt.Errorf("remove port sets: %w", err)
 	}
 
 	want, err := desiredEntries(&set, nodes, sets)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	want.use(sets)
 	if err := want.fits(sets); err != nil {
-		return err
+		return nil, err
 	}
 	mode := stateModeStandard
 	if set.Mode == policy.ModeStrict {
@@ -95,19 +136,18 @@ func (i *Identifier) applyPolicy(set policy.Set) error {
 	level := enforcedOn(st, 1-inForce) == want.enforced && i.Sides[1-inForce].diff(have[1-inForce], want).empty()
 	switch {
 	case !current:
-		err = i.change(st, mode, want, have, sets)
+		if st, err = i.change(st, mode, want, have, sets); err != nil {
+			return nil, err
+		}
+		return &Leveling{i: i, st: st, want: want, have: have[inForce], sets: sets}, nil
 	case !level || st.Applying != 0:
 		// A change stopped after its switch: the policy is in force, its
 		// other side is not level yet.
-		err = i.level(st, want, have[1-inForce])
+		return &Leveling{i: i, st: st, want: want, have: have[1-inForce], sets: sets}, nil
 	}
-	if err != nil {
-		return err
-	}
-	if err := sets.removeUnused(i.PortSets, false); err != nil {
-		return fmt.Errorf("remove port sets: %w", err)
-	}
-	return nil
+	// Both sides hold the policy: a set that neither names was deleted
+	// above already.
+	return nil, nil
 }
 
 // sideOf is the side that generation gen puts in force.
@@ -130,59 +170,53 @@ func setEnforced(st *podfenceIdState, s int, bits uint8) {
 	}
 }
 
-// change writes want to the side not in force and puts it in force, then
-// levels the side it leaves.
-func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) error {
+// change writes want to the side not in force and puts it in force, and
+// returns the state it left, flagged until the side it left is level.
+func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) (podfenceIdState, error) {
 	next := 1 - sideOf(st.Generation)
 	if st.Applying != 0 {
 		// A change was stopped: programs may still read the side it
 		// wrote, if it was in force for a moment.
-		if err := waitForPrograms(); err != nil {
-			return err
+		if err := WaitForPrograms(); err != nil {
+			return st, err
 		}
 	}
 	st.Applying = 1
 	if err := i.writeState(st); err != nil {
-		return err
+		return st, err
 	}
 	if err := stopAt("flagged"); err != nil {
-		return err
+		return st, err
 	}
 	if err := sets.writeNew(i.PortSets); err != nil {
-		return err
+		return st, err
 	}
 	if err := stopAt("sets written"); err != nil {
-		return err
+		return st, err
 	}
 	if err := i.Sides[next].diff(have[next], want).apply(); err != nil {
-		return fmt.Errorf("write side %d: %w", next, err)
+		return st, fmt.Errorf("write side %d: %w", next, err)
 	}
 	st.Mode = mode
 	setEnforced(&st, next, want.enforced)
 	if err := i.writeState(st); err != nil {
-		return err
+		return st, err
 	}
 	if err := stopAt("side written"); err != nil {
-		return err
+		return st, err
 	}
 	// The switch: every layer of the new policy at once.
 	st.Generation++
 	if err := i.writeState(st); err != nil {
-		return err
+		return st, err
 	}
-	if err := stopAt("switched"); err != nil {
-		return err
-	}
-	return i.level(st, want, have[1-next])
+	return st, stopAt("switched")
 }
 
 // level makes the side not in force hold want, as the side in force does,
-// once no program that may read it is left, and clears the applying flag.
-// have is what that side holds.
+// and clears the applying flag; have is what that side holds. The caller
+// has waited for the programs that may read it (WaitForPrograms).
 func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) error {
-	if err := waitForPrograms(); err != nil {
-		return err
-	}
 	other := 1 - sideOf(st.Generation)
 	if err := i.Sides[other].diff(have, want).apply(); err != nil {
 		return fmt.Errorf("level side %d: %w", other, err)
@@ -261,18 +295,19 @@ func stateMode(st podfenceIdState) policy.Mode {
 	return policy.ModeStandard
 }
 
-// waitForPrograms returns once every run of a BPF program that started
+// WaitForPrograms returns once every run of a BPF program that started
 // before the call has ended. TC programs run inside RCU read-side critical
 // sections with preemption off (softirq, or bottom halves disabled), and
 // membarrier's MEMBARRIER_CMD_GLOBAL waits for a grace period
 // (synchronize_rcu from Linux 5.0, synchronize_sched before, which waits
 // for the same non-preemptible sections; kernel/sched/membarrier.c). With
 // one CPU online it returns at once, which is right there: while this
-// process runs, no such section is open. It costs one grace period
-// (milliseconds), which ApplyPolicy pays only when it opens an isolated
-// direction or drops port sets. The command is refused on nohz_full
-// kernels; a sleep far longer than any program run stands in.
-func waitForPrograms() error {
+// process runs, no such section is open. It costs one grace period (tens
+// of microseconds on an idle machine, milliseconds on a busy one with many
+// CPUs), which every policy change pays once, and a node-wide push once
+// per batch of identifiers (SwitchPolicy). The command is refused on
+// nohz_full kernels; a sleep far longer than any program run stands in.
+func WaitForPrograms() error {
 	const membarrierCmdGlobal = 1 // MEMBARRIER_CMD_GLOBAL, once MEMBARRIER_CMD_SHARED
 	_, _, errno := unix.Syscall(unix.SYS_MEMBARRIER, membarrierCmdGlobal, 0, 0)
 	switch errno {

@@ -194,7 +194,7 @@ func (s *portSets) removeHeldExcept(m *ebpf.Map, keep map[uint32]bool, wait bool
 		return nil
 	}
 	if wait {
-		if err := waitForPrograms(); err != nil {
+		if err := WaitForPrograms(); err != nil {
 			return err
 		}
 	}

@@ -1,6 +1,6 @@
 // Command sides prints, measured on this machine, what the two-sided policy
 // (README, "Cluster-wide tiers") costs a change, the grace period it waits
-// before rewriting the side it left (membarrier, as bpf.waitForPrograms),
+// before rewriting the side it left (membarrier, as bpf.WaitForPrograms),
 // and what the alternative to naming both sides' maps directly would cost
 // a packet: a trie lookup through an ARRAY_OF_MAPS slot against a direct
 // one, in the same run. Root; hack/sides.sh compiles the programs first.

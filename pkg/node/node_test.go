@@ -2,6 +2,7 @@ package node
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -35,7 +36,13 @@ func openNode(t *testing.T) (*Node, *bpf.Global) {
 // withPins makes testID's pins, with the given members recorded.
 func withPins(t *testing.T, n *Node, g *bpf.Global, members ...membership.Member) {
 	t.Helper()
-	h, err := n.LockOrCreate(testID)
+	withPinsOf(t, n, g, testID, members...)
+}
+
+// withPinsOf makes id's pins, with the given members recorded.
+func withPinsOf(t *testing.T, n *Node, g *bpf.Global, id podid.ID, members ...membership.Member) {
+	t.Helper()
+	h, err := n.LockOrCreate(id)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,5 +204,50 @@ func TestReapplyPolicies(t *testing.T) {
 	}
 	if _, err := n.ReapplyPolicies(g, dir, policy.Digest{}); !errors.Is(err, policy.ErrUnsynced) {
 		t.Fatalf("ReapplyPolicies of an unsynced directory: %v, want ErrUnsynced", err)
+	}
+}
+
+// TestReapplyPoliciesInBatches: a push over more identifiers than a batch
+// (levelBatch) programs every one, and leaves none of them with its other
+// side not level, on both sides of a batch boundary.
+func TestReapplyPoliciesInBatches(t *testing.T) {
+	n, g := openNode(t)
+	const count = levelBatch + 5
+	var pe strings.Builder
+	pe.WriteString(`apiVersion: networking.k8s.aws/v1alpha1
+kind: PolicyEndpoint
+metadata: {name: apps-abcde, namespace: default}
+spec:
+  policyRef: {name: apps, namespace: default}
+  podIsolation: [Ingress]
+  podSelectorEndpoints:
+`)
+	var ids []podid.ID
+	for i := range count {
+		ids = append(ids, podid.ID(fmt.Sprintf("app%d-7f65cc6544@default", i)))
+		m := web
+		m.ContainerID = fmt.Sprintf("c%d", i)
+		withPinsOf(t, n, g, ids[i], m)
+		fmt.Fprintf(&pe, "  - {name: app%d-7f65cc6544-9j58r, namespace: default, podIP: 192.168.7.%d}\n", i, i+1)
+	}
+	pe.WriteString("  ingress:\n  - cidr: 192.168.0.0/16\n")
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "apps.yaml"), []byte(pe.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a, err := n.ReapplyPolicies(g, dir, policy.Digest{})
+	if err != nil || a.Identifiers != count {
+		t.Fatalf("ReapplyPolicies: %+v, %v; want %d identifiers", a, err, count)
+	}
+	for _, id := range ids {
+		h, err := n.Lock(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := h.Inspect()
+		h.Unlock()
+		if err != nil || !info.Isolated[policy.Ingress] || info.Changing {
+			t.Errorf("%s after the push: isolated %v, changing %v (%v); want ingress isolated, both sides level", id, info.Isolated, info.Changing, err)
+		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"time"
 
@@ -101,35 +102,86 @@ func (n *Node) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Di
 		return a, err
 	}
 	var errs []error
+	var batch []*switched
 	for _, id := range ids {
-		applied, err := n.reapply(g, id, func(mode policy.Mode) policy.Set {
+		sw, err := n.switchPolicy(g, id, func(mode policy.Mode) policy.Set {
 			return policy.ForIdentifier(docs, id, mode).WithCluster(cluster, id)
 		})
-		if applied {
+		if sw != nil {
 			a.Identifiers++
+			batch = append(batch, sw)
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 		}
+		if len(batch) == levelBatch {
+			errs = append(errs, level(batch))
+			batch = batch[:0]
+		}
 	}
+	errs = append(errs, level(batch))
 	return a, errors.Join(errs...)
 }
 
-// reapply programs id, when it has members, with what want says for the
-// mode its state records, and says whether it did.
-func (n *Node) reapply(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (bool, error) {
+// levelBatch is how many identifiers a push puts their new policy in force
+// on before it waits, once, for the programs that may still read the sides
+// they left (bpf.WaitForPrograms), and levels those: one grace period per
+// batch rather than per identifier, while the batch's locks are held (an
+// ADD of one of them waits for the batch).
+const levelBatch = 32
+
+// switched is an identifier whose new policy is in force, held until the
+// side it left is level.
+type switched struct {
+	h     *Identifier
+	ident *bpf.Identifier
+	lv    *bpf.Leveling // nil: nothing left to do
+}
+
+// switchPolicy programs id, when it has members, with what want says for
+// the mode its state records, up to the switch (bpf.SwitchPolicy); nil
+// when there is nothing to program or it failed.
+func (n *Node) switchPolicy(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (*switched, error) {
 	h, err := n.inUse(id)
 	if h == nil {
-		return false, err // gone, or no member: nothing attached to program
+		return nil, err // gone, or no member: nothing attached to program
 	}
-	defer h.Unlock()
-	up, err := h.ApplyPolicy(g, want)
-	if err != nil {
-		return false, err
+	ident, up, err := h.Open(g)
+	if err == nil {
+		var mode policy.Mode
+		if mode, err = ident.Mode(); err == nil {
+			var lv *bpf.Leveling
+			if lv, err = ident.SwitchPolicy(want(mode)); err == nil {
+				// Programmed all the same: the members named stay on
+				// the earlier programs until a later push moves them.
+				return &switched{h: h, ident: ident, lv: lv}, up.Unmoved
+			}
+		}
+		ident.Close()
 	}
-	// Programmed all the same: the members named stay on the earlier
-	// programs until a later push moves them.
-	return true, up.Unmoved
+	h.Unlock()
+	return nil, err
+}
+
+// level waits once for the programs that may read the sides the batch's
+// changes left, levels them, and lets the identifiers go.
+// Should the wait fail, each identifier's next change levels it.
+func level(batch []*switched) error {
+	var waitErr error
+	if slices.ContainsFunc(batch, func(sw *switched) bool { return sw.lv != nil }) {
+		waitErr = bpf.WaitForPrograms()
+	}
+	errs := []error{waitErr}
+	for _, sw := range batch {
+		if sw.lv != nil && waitErr == nil {
+			if err := sw.lv.Level(); err != nil {
+				errs = append(errs, fmt.Errorf("identifier %q: %w", sw.ident.ID, err))
+			}
+		}
+		sw.ident.Close()
+		sw.h.Unlock()
+	}
+	return errors.Join(errs...)
 }
 
 // ApplyPolicy programs the identifier with what want says for the mode
