@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"testing"
 
@@ -11,17 +12,23 @@ import (
 )
 
 // TestReadEntries reads maps of more entries than one batch holds, a hash
-// map and an LPM trie, and compares with reading them entry by entry (which
-// is also what a kernel without batch lookups for the type gets: LPM tries
-// on 5.10).
+// map and an LPM trie (also of exactly one first batch, and one more), and
+// compares with reading them entry by entry (which is also what a kernel
+// without batch lookups for the type gets: LPM tries on 5.10).
 func TestReadEntries(t *testing.T) {
 	kernel.RequireRoot(t)
-	const n = 2*batchSize + 7
-	for _, spec := range []*ebpf.MapSpec{
-		{Type: ebpf.Hash, KeySize: 8, ValueSize: 4, MaxEntries: n},
-		{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 4, MaxEntries: n, Flags: 1 /* BPF_F_NO_PREALLOC */},
+	const most = 2*batchSize + 7
+	for _, c := range []struct {
+		spec *ebpf.MapSpec
+		n    int
+	}{
+		{&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 8, ValueSize: 4, MaxEntries: most}, most},
+		{&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 4, MaxEntries: most, Flags: 1 /* BPF_F_NO_PREALLOC */}, most},
+		{&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 4, MaxEntries: most, Flags: 1}, firstTrieBatch},
+		{&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 4, MaxEntries: most, Flags: 1}, firstTrieBatch + 1},
 	} {
-		t.Run(spec.Type.String(), func(t *testing.T) {
+		spec, n := c.spec, c.n
+		t.Run(fmt.Sprintf("%s/%d", spec.Type, n), func(t *testing.T) {
 			m, err := ebpf.NewMap(spec)
 			if err != nil {
 				t.Fatal(err)

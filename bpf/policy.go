@@ -107,11 +107,18 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 	}
 	inForce := sideOf(st.Generation)
 	var have [2]sideEntries
-	for s := range i.Sides {
-		if have[s], err = i.Sides[s].entries(); err != nil {
-			return nil, fmt.Errorf("read side %d: %w", s, err)
+	if have[inForce], err = i.Sides[inForce].entries(); err != nil {
+		return nil, fmt.Errorf("read side %d: %w", inForce, err)
+	}
+	have[inForce].reserve(sets)
+	// Without the flag the sides are level: whatever writes a side
+	// flags the state first.
+	have[1-inForce] = have[inForce]
+	if st.Applying != 0 {
+		if have[1-inForce], err = i.Sides[1-inForce].entries(); err != nil {
+			return nil, fmt.Errorf("read side %d: %w", 1-inForce, err)
 		}
-		have[s].reserve(sets)
+		have[1-inForce].reserve(sets)
 	}
 	if err := sets.removeUnnamed(i.PortSets); err != nil {
 		return nil, fmt.Errorf("remove port sets: %w", err)
@@ -235,11 +242,19 @@ func (i *Identifier) writeState(st podfenceIdState) error {
 
 // syncSides copies side 0, with its enforced bits, into side 1: what a
 // take-over of a layout before sides does before any program of this build
-// runs, so that either parity of the generation finds the policy.
+// runs, so that either parity of the generation finds the policy. A change
+// that the earlier build stopped (its applying flag) meant, to that build,
+// that the generation was still to be bumped, even if its tries held the
+// policy: syncSides bumps it, as that build's next change would have.
 func (i *Identifier) syncSides() error {
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return fmt.Errorf("read state: %w", err)
+	}
+	stopped := st.Applying != 0
+	st.Applying = 1
+	if err := i.writeState(st); err != nil {
+		return err
 	}
 	var have [2]sideEntries
 	for s := range i.Sides {
@@ -253,6 +268,10 @@ func (i *Identifier) syncSides() error {
 		return fmt.Errorf("copy side 0 to side 1: %w", err)
 	}
 	st.Enforced1 = st.Enforced
+	st.Applying = 0
+	if stopped {
+		st.Generation++
+	}
 	return i.writeState(st)
 }
 

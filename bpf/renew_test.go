@@ -200,7 +200,7 @@ func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Se
 // pinLayout3 pins id as a build of layout 3 did, with set applied: one
 // side of the policy (no _1 maps; its programs here get unpinned ones),
 // the state's side-1 bits padding, and a generation of either parity.
-func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, odd bool) *Identifier {
+func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, odd, stopped bool) *Identifier {
 	t.Helper()
 	side1 := map[string]bool{}
 	for d := range sideMaps[1].policy {
@@ -215,7 +215,10 @@ func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Se
 	if err := old.State.Lookup(uint32(0), &st); err != nil {
 		t.Fatal(err)
 	}
-	st.Enforced1 = 0
+	st.Enforced1, st.Applying = 0, 0
+	if stopped {
+		st.Applying = 1
+	}
 	st.Generation &^= 1
 	if odd {
 		st.Generation |= 1
@@ -528,16 +531,18 @@ func TestRenewLayout1(t *testing.T) {
 // TestRenewLayout3: a take-over of layout 3, which had one side of the
 // policy, copies it with its enforced bits into side 1 before this build's
 // programs run, so that they enforce it whatever the generation's parity,
-// and keeps the generation, so that tracked flows are not re-checked.
+// and keeps the generation, so that tracked flows are not re-checked;
+// unless layout 3 had a change stopped, which owed a bump.
 func TestRenewLayout3(t *testing.T) {
-	for _, odd := range []bool{false, true} {
-		t.Run(fmt.Sprintf("odd generation %v", odd), func(t *testing.T) {
+	for _, c := range []struct{ odd, stopped bool }{{false, false}, {true, false}, {true, true}} {
+		odd := c.odd
+		t.Run(fmt.Sprintf("odd generation %v, change stopped %v", odd, c.stopped), func(t *testing.T) {
 			root, g := openGlobal(t)
 			id := podid.ID("web-7f65cc6544@default")
 			set := isolate(rules(rule("10.1.0.0/16", tcpPort(80))), nil)
 			set.Cluster.Admin[policy.Ingress] = policy.TierRules{{CIDR: netip.MustParsePrefix("10.1.9.0/24"), Action: policy.ActionDeny,
 				Ports: []policy.PortRange{tcpPort(80)}}}
-			old := pinLayout3(t, g, root, id, set, odd)
+			old := pinLayout3(t, g, root, id, set, odd, c.stopped)
 			oldGen, err := old.Generation()
 			if err != nil {
 				t.Fatal(err)
@@ -561,8 +566,12 @@ func TestRenewLayout3(t *testing.T) {
 			}
 			h := &harness{root: root, g: g, id: ident}
 			st := h.state(t)
-			if st.Generation != oldGen || st.Enforced1 != st.Enforced || st.Enforced == 0 {
-				t.Errorf("state after the take-over %+v, want generation %d and side 1's bits those of side 0", st, oldGen)
+			wantGen := oldGen
+			if c.stopped {
+				wantGen++
+			}
+			if st.Generation != wantGen || st.Enforced1 != st.Enforced || st.Enforced == 0 || st.Applying != 0 {
+				t.Errorf("state after the take-over %+v, want generation %d, no flag, and side 1's bits those of side 0", st, wantGen)
 			}
 			side1, err := ident.Sides[1].entries()
 			if err != nil {
