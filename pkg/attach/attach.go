@@ -3,11 +3,14 @@ package attach
 import (
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 
 	"github.com/cilium/ebpf"
 
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinfs"
 )
 
 // Mode is the attach mechanism.
@@ -34,16 +37,58 @@ func ParseMode(s string) (Mode, error) {
 // ModeTCX on a kernel without TCX is an error wrapping ErrTCXUnsupported;
 // ModeTC is always possible (cls_bpf direct-action needs Linux 4.5).
 func Resolve(m Mode) (Mode, error) {
+	return resolve(m, TCXSupported)
+}
+
+// ResolveRecorded is Resolve with the TCX probe's answer kept in the
+// record at path (a symlink, as pinfs writes records) for the processes
+// after this one: a kernel's features change only with a reboot, which
+// also empties bpffs, where the record lives, while the probe takes the
+// kernel's rtnl lock, for which a burst of pod starts queues (the probe
+// took 66 to 150 ms of each ADD in TestChurn's bursts). A record that
+// cannot be written costs the next process the probe, nothing more.
+func ResolveRecorded(m Mode, path string) (Mode, error) {
+	return resolve(m, func() error { return tcxRecorded(path) })
+}
+
+// Answers of the TCX probe as ResolveRecorded records them.
+const (
+	recordTCX   = "tcx"
+	recordNoTCX = "no-tcx"
+)
+
+func tcxRecorded(path string) error {
+	switch text, ok, err := pinfs.ReadRecord(path); {
+	case err == nil && ok && text == recordTCX:
+		return nil
+	case err == nil && ok && text == recordNoTCX:
+		return ErrTCXUnsupported
+	}
+	err := TCXSupported()
+	answer := recordTCX
+	switch {
+	case errors.Is(err, ErrTCXUnsupported):
+		answer = recordNoTCX
+	case err != nil:
+		return err // the probe failed: nothing to record
+	}
+	if os.MkdirAll(filepath.Dir(path), 0o700) == nil {
+		_ = pinfs.WriteRecord(path, answer) // best effort: see ResolveRecorded
+	}
+	return err
+}
+
+func resolve(m Mode, tcxSupported func() error) (Mode, error) {
 	switch m {
 	case ModeTC:
 		return ModeTC, nil
 	case ModeTCX:
-		if err := TCXSupported(); err != nil {
+		if err := tcxSupported(); err != nil {
 			return "", fmt.Errorf("resolve attach mode %s: %w", m, err)
 		}
 		return ModeTCX, nil
 	case "", ModeAuto:
-		err := TCXSupported()
+		err := tcxSupported()
 		switch {
 		case err == nil:
 			return ModeTCX, nil

@@ -19,6 +19,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/objinfo"
+	"github.com/podfence/podfence/pkg/pinfs"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -563,6 +564,48 @@ func TestResolveAuto(t *testing.T) {
 	}
 	if got != want {
 		t.Fatalf("Resolve(auto) = %s, want %s", got, want)
+	}
+}
+
+// TestResolveRecorded: the first resolution records the probe's answer,
+// later ones take it from the record without probing (a record saying the
+// opposite of the kernel is believed, which shows the probe did not run),
+// and a record that is neither answer is probed again and replaced.
+func TestResolveRecorded(t *testing.T) {
+	kernel.RequireRoot(t)
+	path := filepath.Join(t.TempDir(), "status", "tcx")
+	want, answer := ModeTCX, recordTCX
+	if errors.Is(TCXSupported(), ErrTCXUnsupported) {
+		want, answer = ModeTC, recordNoTCX
+	}
+	if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != want {
+		t.Fatalf("ResolveRecorded(auto) = %s, %v; want %s", got, err, want)
+	}
+	if text, err := os.Readlink(path); err != nil || text != answer {
+		t.Fatalf("record %q, %v; want %q", text, err, answer)
+	}
+	for _, c := range []struct {
+		record string
+		want   Mode
+	}{{recordNoTCX, ModeTC}, {recordTCX, ModeTCX}} {
+		if err := pinfs.WriteRecord(path, c.record); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != c.want {
+			t.Errorf("with the record %q: ResolveRecorded(auto) = %s, %v; want %s", c.record, got, err, c.want)
+		}
+	}
+	if _, err := ResolveRecorded(ModeTCX, path); err != nil {
+		t.Errorf("ResolveRecorded(tcx) with the record %q: %v", recordTCX, err)
+	}
+	if err := pinfs.WriteRecord(path, "garbage"); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != want {
+		t.Errorf("with a garbage record: ResolveRecorded(auto) = %s, %v; want %s", got, err, want)
+	}
+	if text, err := os.Readlink(path); err != nil || text != answer {
+		t.Errorf("the garbage record became %q, %v; want %q", text, err, answer)
 	}
 }
 

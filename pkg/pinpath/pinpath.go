@@ -39,6 +39,9 @@ const (
 	// there and, in an identifier's, the datapath object whose programs
 	// are pinned (package bpf reads and writes it).
 	Layout = "layout"
+	// TCXProbe is a record in StatusDir of whether the kernel attaches TCX
+	// links (package attach), probed once per boot.
+	TCXProbe = "tcx"
 	// PolicyError is a symlink whose target records why the policy
 	// directory was last refused, and since when; absent while it is valid.
 	PolicyError = "policy-error"
@@ -111,6 +114,9 @@ func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
 
 // Status is the directory of STATUS's verified markers.
 func (r Root) Status() string { return filepath.Join(string(r), StatusDir) }
+
+// TCXProbe is the record of the TCX probe's answer.
+func (r Root) TCXProbe() string { return filepath.Join(string(r), StatusDir, TCXProbe) }
 
 // PolicyError is the record of an invalid policy directory.
 func (r Root) PolicyError() string { return filepath.Join(string(r), PolicyError) }

@@ -20,6 +20,7 @@ import (
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -71,7 +72,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.mark("find-veth")
-	mode, err := attach.Resolve(conf.attachMode)
+	mode, err := attach.ResolveRecorded(conf.attachMode, pinpath.Root(conf.PinRoot).TCXProbe())
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	}
