@@ -182,31 +182,36 @@ func TestApplyPolicyRefusesWhatCannotFit(t *testing.T) {
 }
 
 // TestApplyPolicyAfterStopClearsUnnamedSets: a change stopped after writing
-// its port sets leaves them named by no entry. The next ApplyPolicy, of any
-// policy, deletes them first, or a policy and its successor of
+// its port sets leaves them named by no entry in force, and one stopped
+// later by a side that is not level. The next ApplyPolicy, of any policy,
+// deletes those first, or a policy and its successor of
 // policy.MaxPortSets sets each would not find room.
 func TestApplyPolicyAfterStopClearsUnnamedSets(t *testing.T) {
-	h := newHarness(t)
-	h.apply(t, isolate(hostRules(0, policy.MaxPortSets, true), nil))
-	t.Cleanup(func() { testStop = nil })
-	testStop = func(step string) error {
-		if step == "sets written" {
-			return errStopped
-		}
-		return nil
-	}
-	if err := h.id.ApplyPolicy(isolate(hostRules(1000, policy.MaxPortSets, true), nil)); !errors.Is(err, errStopped) {
-		t.Fatalf("the change was not stopped: %v", err)
-	}
-	testStop = nil
-	if n := len(setKeys(t, h)); n != 2*policy.MaxPortSets {
-		t.Fatalf("%d port sets after the stop, want both policies' %d", n, 2*policy.MaxPortSets)
-	}
-	third := isolate(hostRules(2000, policy.MaxPortSets, true), nil)
-	if err := h.id.ApplyPolicy(third); err != nil {
-		t.Fatalf("a third policy of %d port sets: %v", policy.MaxPortSets, err)
-	}
-	if named, held := namedKeys(t, h), setKeys(t, h); len(named) != policy.MaxPortSets || !maps.Equal(named, held) {
-		t.Fatalf("port_sets holds %d sets, the entries name %d", len(held), len(named))
+	for _, step := range []string{"sets written", "side written", "switched"} {
+		t.Run(step, func(t *testing.T) {
+			h := newHarness(t)
+			h.apply(t, isolate(hostRules(0, policy.MaxPortSets, true), nil))
+			t.Cleanup(func() { testStop = nil })
+			testStop = func(s string) error {
+				if s == step {
+					return errStopped
+				}
+				return nil
+			}
+			if err := h.id.ApplyPolicy(isolate(hostRules(1000, policy.MaxPortSets, true), nil)); !errors.Is(err, errStopped) {
+				t.Fatalf("the change was not stopped: %v", err)
+			}
+			testStop = nil
+			if n := len(setKeys(t, h)); n != 2*policy.MaxPortSets {
+				t.Fatalf("%d port sets after the stop, want both policies' %d", n, 2*policy.MaxPortSets)
+			}
+			third := isolate(hostRules(2000, policy.MaxPortSets, true), nil)
+			if err := h.id.ApplyPolicy(third); err != nil {
+				t.Fatalf("a third policy of %d port sets: %v", policy.MaxPortSets, err)
+			}
+			if named, held := namedKeys(t, h), setKeys(t, h); len(named) != policy.MaxPortSets || !maps.Equal(named, held) {
+				t.Fatalf("port_sets holds %d sets, the entries name %d", len(held), len(named))
+			}
+		})
 	}
 }

@@ -369,6 +369,30 @@ func BenchmarkSourceCheck(b *testing.B) {
 	}
 }
 
+// earlierSpec is the datapath object committed at commit (in this clone's
+// history; the test is skipped without it), unpinned, with its clock set
+// as the loader sets this build's.
+func earlierSpec(tb testing.TB, commit string) *ebpf.CollectionSpec {
+	tb.Helper()
+	obj, err := exec.Command("git", "show", commit+":bpf/podfence_bpfel.o").Output()
+	if err != nil {
+		tb.Skipf("the earlier build's object is not in this clone's history: %v", err)
+	}
+	cs, err := ebpf.LoadCollectionSpecFromReader(bytes.NewReader(obj))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, ms := range cs.Maps {
+		ms.Pinning = ebpf.PinNone
+	}
+	if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
+		if err := cs.Variables["coarse_clock"].Set(uint32(1)); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	return cs
+}
+
 // previousBuild is an earlier build's egress program (the object committed
 // at a commit of this clone's history) with its own, unpinned maps.
 type previousBuild struct {
@@ -378,23 +402,7 @@ type previousBuild struct {
 
 func previousEgress(b *testing.B, commit string) *previousBuild {
 	b.Helper()
-	obj, err := exec.Command("git", "show", commit+":bpf/podfence_bpfel.o").Output()
-	if err != nil {
-		b.Skipf("the previous build's object is not in this clone's history: %v", err)
-	}
-	cs, err := ebpf.LoadCollectionSpecFromReader(bytes.NewReader(obj))
-	if err != nil {
-		b.Fatal(err)
-	}
-	for _, ms := range cs.Maps {
-		ms.Pinning = ebpf.PinNone
-	}
-	if features.HaveProgramHelper(ebpf.SchedCLS, asm.FnKtimeGetCoarseNs) == nil {
-		if err := cs.Variables["coarse_clock"].Set(uint32(1)); err != nil {
-			b.Fatal(err)
-		}
-	}
-	coll, err := ebpf.NewCollection(cs)
+	coll, err := ebpf.NewCollection(earlierSpec(b, commit))
 	if err != nil {
 		b.Fatal(err)
 	}

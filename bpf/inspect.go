@@ -83,7 +83,16 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	info.Generation = st.Generation
 	info.Mode = stateMode(st)
 	info.Changing = st.Applying != 0
-	bits := enforcedOn(st, sideOf(st.Generation))
+	// Pins of a layout before sides have padding where side 1's bits are
+	// now, and one side, read whatever the generation.
+	mk, hasMarker, err := readMarker(dir)
+	if err != nil {
+		return info, fmt.Errorf("inspect %q: %w", id, err)
+	}
+	bits := st.Enforced
+	if hasMarker && mk.version >= sidesLayout {
+		bits = enforcedOn(st, sideOf(st.Generation))
+	}
 	for d := range 2 {
 		info.Isolated[d] = bits&((enforcePolicy|enforceDefaultDeny)<<d) != 0
 		info.Admin[d] = bits&(enforceAdmin<<d) != 0
@@ -93,7 +102,7 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	if info.Counters, err = i.ReadCounters(); err != nil {
 		return info, err
 	}
-	if mk, ok, err := readMarker(dir); err == nil && ok {
+	if hasMarker {
 		info.Layout = mk.String()
 	}
 	info.Ingress, info.Egress, err = PinnedProgramIDs(dir)

@@ -326,6 +326,11 @@ type Identifier struct {
 	PortSets *ebpf.Map
 	// Each member's source addresses, by host veth ifindex (sources.go).
 	Sources *ebpf.Map
+
+	// moving: members may still run an earlier build's programs
+	// (Renewal.MovePending until MembersMoved), which, before layout 4,
+	// read side 0 alone whatever the generation (policy.go).
+	moving bool
 }
 
 // Side is one side of an identifier's policy: the maps that judge a new
@@ -397,11 +402,17 @@ type Renewal struct {
 // ends a renewal's MovePending. The caller holds the identifier's lock.
 func (i *Identifier) MembersMoved() error {
 	mk, ok, err := readMarker(i.Dir)
-	if err != nil || !ok || !mk.moving {
+	if err != nil {
 		return err
 	}
-	mk.moving = false
-	return writeMarker(i.Dir, mk)
+	if ok && mk.moving {
+		mk.moving = false
+		if err := writeMarker(i.Dir, mk); err != nil {
+			return err
+		}
+	}
+	i.moving = false
+	return nil
 }
 
 // RenewIdentifier is OpenIdentifier for a caller that moves the members
@@ -459,6 +470,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 		reused, err := ident.openPinnedPrograms(g)
 		if err == nil && reused {
 			rn.MovePending = sameBuild && s.marker.moving
+			ident.moving = rn.MovePending
 			return ident, rn, nil
 		}
 		if err != nil && !renew {
@@ -485,6 +497,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 	if err := writeMarker(dir, marker{version: LayoutVersion, object: objectID(), moving: rn.MovePending}); err != nil {
 		return fail(err)
 	}
+	ident.moving = rn.MovePending
 	return ident, rn, nil
 }
 

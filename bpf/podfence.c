@@ -623,7 +623,8 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	// packet: ApplyPolicy fills the other side, then bumps the generation,
 	// and rewrites the side it left only once no program run that read the
 	// old generation is left. A packet is judged by one policy whole, the
-	// one its generation stamps on the flow.
+	// one its generation stamps on the flow. (Programs of layouts before
+	// sides read side 0 alone: policy.go's level covers them.)
 	__u32 gen = *(volatile __u32 *)&st->generation;
 	__u32 side = gen & 1;
 

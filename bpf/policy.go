@@ -115,10 +115,23 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 	// flags the state first.
 	have[1-inForce] = have[inForce]
 	if st.Applying != 0 {
+		// A change was stopped, or a take-over just made side 1: this
+		// build's programs may still read the side not in force (if it
+		// was in force a moment ago), and an earlier build's read side 0.
+		// Once they are done, the side not in force is only ever
+		// rewritten before it is in force again, so the port sets that
+		// it alone names can go; not while members may still run an
+		// earlier build's programs, which read side 0 whatever the
+		// generation.
+		if err := WaitForPrograms(); err != nil {
+			return nil, err
+		}
 		if have[1-inForce], err = i.Sides[1-inForce].entries(); err != nil {
 			return nil, fmt.Errorf("read side %d: %w", 1-inForce, err)
 		}
-		have[1-inForce].reserve(sets)
+		if i.moving {
+			have[1-inForce].reserve(sets)
+		}
 	}
 	if err := sets.removeUnnamed(i.PortSets); err != nil {
 		return nil, fmt.Errorf("remove port sets: %w", err)
@@ -129,7 +142,7 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 		return nil, err
 	}
 	want.use(sets)
-	if err := want.fits(sets); err != nil {
+	if err := want.fits(have, sets); err != nil {
 		return nil, err
 	}
 	mode := stateModeStandard
@@ -181,13 +194,6 @@ func setEnforced(st *podfenceIdState, s int, bits uint8) {
 // returns the state it left, flagged until the side it left is level.
 func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) (podfenceIdState, error) {
 	next := 1 - sideOf(st.Generation)
-	if st.Applying != 0 {
-		// A change was stopped: programs may still read the side it
-		// wrote, if it was in force for a moment.
-		if err := WaitForPrograms(); err != nil {
-			return st, err
-		}
-	}
 	st.Applying = 1
 	if err := i.writeState(st); err != nil {
 		return st, err
@@ -223,6 +229,14 @@ func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have 
 // level makes the side not in force hold want, as the side in force does,
 // and clears the applying flag; have is what that side holds. The caller
 // has waited for the programs that may read it (WaitForPrograms).
+//
+// An earlier build's programs, still attached to members a take-over could
+// not move, read side 0 whatever the generation, and stamp the flows they
+// judge with the current one: after side 0 was levelled (or written as the
+// side to come), its flows judged meanwhile by its old entries would pass
+// as current. While such members may exist, level bumps the generation
+// once more, which both sides now allow, so that those flows are checked
+// again against the policy in force.
 func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) error {
 	other := 1 - sideOf(st.Generation)
 	if err := i.Sides[other].diff(have, want).apply(); err != nil {
@@ -230,6 +244,9 @@ func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) 
 	}
 	setEnforced(&st, other, want.enforced)
 	st.Applying = 0
+	if i.moving {
+		st.Generation++
+	}
 	return i.writeState(st)
 }
 
@@ -245,7 +262,8 @@ func (i *Identifier) writeState(st podfenceIdState) error {
 // runs, so that either parity of the generation finds the policy. A change
 // that the earlier build stopped (its applying flag) meant, to that build,
 // that the generation was still to be bumped, even if its tries held the
-// policy: syncSides bumps it, as that build's next change would have.
+// policy: syncSides bumps it, as that build's next change would have, and
+// leaves the flag set (see below).
 func (i *Identifier) syncSides() error {
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
@@ -268,10 +286,12 @@ func (i *Identifier) syncSides() error {
 		return fmt.Errorf("copy side 0 to side 1: %w", err)
 	}
 	st.Enforced1 = st.Enforced
-	st.Applying = 0
 	if stopped {
 		st.Generation++
 	}
+	// The flag stays: the first change waits for the earlier build's
+	// programs, still running on a member that was just moved, before it
+	// rewrites side 0.
 	return i.writeState(st)
 }
 

@@ -106,12 +106,14 @@ func openMapSet(dir string, names []string, entries func(string) uint32, m openM
 			closeMaps(pinned)
 			return nil, fmt.Errorf("pin %s: %w", filepath.Join(dir, name), err)
 		}
+		if p == renewCreate && from < LayoutVersion && len(pinned) > 0 && !m.renew {
+			// A map that the pins' earlier layout did not have: making
+			// it is part of a take-over.
+			closeMaps(pinned)
+			return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), m.errRenew)
+		}
 		if p == renewCreate && m.existing {
 			closeMaps(pinned)
-			if from < LayoutVersion && len(pinned) > 0 {
-				// A map that an earlier layout did not have.
-				return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), m.errRenew)
-			}
 			return nil, fmt.Errorf("map %s: %w", filepath.Join(dir, name), errNotPinned)
 		}
 		if (p == renewCopy || p == renewFresh) && !m.renew {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/podfence/podfence/pkg/packet"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -551,9 +552,21 @@ func TestRenewLayout3(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// An inspection says to upgrade, not that nothing is pinned.
+			// An inspection says to upgrade, not that nothing is pinned,
+			// and an open that does not renew refuses rather than making
+			// side 1 beside the earlier build's programs.
 			if _, err := OpenExistingIdentifier(g, identDir(root, id), id); !errors.Is(err, ErrIncompatiblePin) {
 				t.Errorf("inspecting layout 3 pins: %v, want ErrIncompatiblePin", err)
+			}
+			if _, err := OpenIdentifier(g, identDir(root, id), id); !errors.Is(err, ErrIncompatiblePin) {
+				t.Errorf("OpenIdentifier of layout 3 pins: %v, want ErrIncompatiblePin", err)
+			}
+			if _, err := os.Stat(filepath.Join(identDir(root, id), pinpath.MapTiersSide1)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("a refused open made side 1 (%v)", err)
+			}
+			// ls reads the layout's one side whatever the generation.
+			if info, err := InspectIdentifier(identDir(root, id), id); err != nil || !info.Isolated[policy.Ingress] || !info.Admin[policy.Ingress] {
+				t.Errorf("inspecting layout 3 pins: isolated %v, admin %v (%v); want ingress both", info.Isolated, info.Admin, err)
 			}
 
 			ident, rn, err := RenewIdentifier(g, identDir(root, id), id)
@@ -570,8 +583,10 @@ func TestRenewLayout3(t *testing.T) {
 			if c.stopped {
 				wantGen++
 			}
-			if st.Generation != wantGen || st.Enforced1 != st.Enforced || st.Enforced == 0 || st.Applying != 0 {
-				t.Errorf("state after the take-over %+v, want generation %d, no flag, and side 1's bits those of side 0", st, wantGen)
+			// Flagged: the first change waits for the earlier build's
+			// programs before it writes a side.
+			if st.Generation != wantGen || st.Enforced1 != st.Enforced || st.Enforced == 0 || st.Applying == 0 {
+				t.Errorf("state after the take-over %+v, want generation %d, the flag, and side 1's bits those of side 0", st, wantGen)
 			}
 			side1, err := ident.Sides[1].entries()
 			if err != nil {
@@ -590,6 +605,81 @@ func TestRenewLayout3(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestUnmovedMemberKeepsRevocations: a member that a take-over of layout
+// 3 could not move runs that build's programs, which read side 0 alone
+// whatever the generation. A change made meanwhile must still cut, on that
+// member, the flows it revokes: a flow judged by side 0's old entries after
+// the switch (the generation even before it, so side 0 is levelled last)
+// is checked again once side 0 holds the new policy.
+func TestUnmovedMemberKeepsRevocations(t *testing.T) {
+	root, g := openGlobal(t)
+	id := podid.ID("web-7f65cc6544@default")
+	both := isolate(rules(rule("10.1.0.0/16", tcpPort(80)), rule("10.3.0.0/16", tcpPort(80))), nil)
+	pinLayout3(t, g, root, id, both, false, false)
+	ident, rn, err := RenewIdentifier(g, identDir(root, id), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ident.Close()
+	if !rn.MovePending {
+		t.Fatalf("renewal %+v: no move pending", rn)
+	}
+	// The member's programs: the last layout-3 build's, on the maps the
+	// take-over kept.
+	cs := earlierSpec(t, beforeSides)
+	repl := map[string]*ebpf.Map{}
+	for name, m := range g.replacements() {
+		repl[name] = m
+	}
+	for name, m := range ident.mapFields() {
+		if _, ok := cs.Maps[name]; ok {
+			repl[name] = *m
+		}
+	}
+	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{MapReplacements: repl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer coll.Close()
+	unmoved := coll.Programs[progIngress]
+	run := func(p packet.Packet) uint32 {
+		t.Helper()
+		ret, err := unmoved.Run(&ebpf.RunOptions{Data: p.Marshal()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ret
+	}
+	revoked, kept := tcp("10.1.2.3", pod4, 40000, 80), tcp("10.3.2.3", pod4, 40001, 80)
+	for _, p := range []packet.Packet{revoked, kept} {
+		if ret := run(syn(p)); ret != VerdictAllow {
+			t.Fatalf("opening %s on the unmoved member: %#x", p.Src, ret)
+		}
+	}
+
+	judgedAtSwitch := uint32(0)
+	t.Cleanup(func() { testStop = nil })
+	testStop = func(step string) error {
+		if step == "switched" {
+			judgedAtSwitch = run(revoked)
+		}
+		return nil
+	}
+	if err := ident.ApplyPolicy(isolate(rules(rule("10.3.0.0/16", tcpPort(80))), nil)); err != nil {
+		t.Fatal(err)
+	}
+	testStop = nil
+	if judgedAtSwitch != VerdictAllow {
+		t.Fatalf("at the switch the unmoved member judged by side 0's new entries already (%#x): the case tests nothing", judgedAtSwitch)
+	}
+	if ret := run(revoked); ret != VerdictDrop {
+		t.Errorf("the revoked flow on the unmoved member after the change: %#x, want it dropped", ret)
+	}
+	if ret := run(kept); ret != VerdictAllow {
+		t.Errorf("the flow still allowed on the unmoved member after the change: %#x", ret)
 	}
 }
 

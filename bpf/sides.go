@@ -111,21 +111,25 @@ func (w sideWant) use(sets *portSets) {
 	sets.useTiers(w.tiers)
 }
 
-// fits checks, before anything changes, that a side's maps can hold w and
-// that port_sets, which both sides share, can hold its sets next to those
-// of the policy it replaces. Set.Check refuses a policy too large on its
-// own; this also covers one read again after the check.
-func (w sideWant) fits(sets *portSets) error {
-	for d := range w.policy {
-		for f := range w.policy[d] {
-			if n := len(w.policy[d][f]); n > int(trieCapacity) {
-				return fmt.Errorf("%s policy of IPv%d: %d entries, a trie holds %d: %w",
-					policy.Direction(d), 4+2*f, n, trieCapacity, policy.ErrTooManyEntries)
+// fits checks, before anything changes, that each side's maps can hold w
+// next to what they hold, as they must while apply writes them, and that
+// port_sets, which both sides share, can hold w's sets next to those of
+// the policy it replaces. Set.Check refuses a policy too large on its own;
+// this also covers one read again after the check.
+func (w sideWant) fits(have [2]sideEntries, sets *portSets) error {
+	for _, h := range have {
+		for d := range w.policy {
+			for f := range w.policy[d] {
+				if n := len(h.policy[d][f]) + newKeys(h.policy[d][f], w.policy[d][f]); n > int(trieCapacity) {
+					return fmt.Errorf("%s policy of IPv%d: %d entries with those of the policy it replaces, a trie holds %d: %w",
+						policy.Direction(d), 4+2*f, n, trieCapacity, policy.ErrTooManyEntries)
+				}
 			}
 		}
-	}
-	if n := len(w.tiers); n > int(tierCapacity) {
-		return fmt.Errorf("cluster tiers: %d entries, the trie holds %d: %w", n, tierCapacity, policy.ErrTooManyEntries)
+		if n := len(h.tiers) + newKeys(h.tiers, w.tiers); n > int(tierCapacity) {
+			return fmt.Errorf("cluster tiers: %d entries with those of the rules they replace, the trie holds %d: %w",
+				n, tierCapacity, policy.ErrTooManyEntries)
+		}
 	}
 	if n := len(sets.used); n > policy.MaxPortSets {
 		return fmt.Errorf("%d distinct port sets, at most %d: %w", n, policy.MaxPortSets, policy.ErrTooManyPortSets)
@@ -162,4 +166,15 @@ func (c sideChange) apply() error {
 		}
 	}
 	return nil
+}
+
+// newKeys counts the keys of want that have does not hold.
+func newKeys[V any](have map[string]V, want map[string]*V) int {
+	n := 0
+	for k := range want {
+		if _, ok := have[k]; !ok {
+			n++
+		}
+	}
+	return n
 }

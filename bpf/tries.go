@@ -1,9 +1,13 @@
 package bpf
 
 import (
+	"cmp"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"unsafe"
 
 	"github.com/cilium/ebpf"
@@ -80,19 +84,36 @@ func diffTrie[V comparable](m *ebpf.Map, have map[string]V, want map[string]*V) 
 
 func (d trieDiff[V]) empty() bool { return len(d.update) == 0 && len(d.remove) == 0 }
 
-// apply changes the trie, which no program reads (a side not in force):
-// stale entries are deleted first, so that the trie needs room only for
-// the larger of the old and the new policy.
+// apply changes the trie so that every address is judged by its old entry
+// or its new one at each instant, never by an entry of neither policy:
+// new and changed entries are written longest prefix first, then stale ones
+// deleted shortest prefix first. (An address's new entry, the longest of the
+// new policy that contains it, goes in before any shorter one that would
+// otherwise take over from its old entry; its old entry, when no longer
+// wanted, goes only after the stale entries between it and the new one.)
+// This build's programs never read a side while it is written; an earlier
+// build's, which read side 0 alone (members a take-over could not move),
+// may, and for them the order is what it was before sides.
 func (d trieDiff[V]) apply() error {
+	updates := slices.Collect(maps.Keys(d.update))
+	slices.SortFunc(updates, func(a, b string) int { return cmp.Compare(prefixLen(b), prefixLen(a)) })
+	for _, k := range updates {
+		if err := d.m.Update([]byte(k), d.update[k], ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("update policy entry: %w", err)
+		}
+	}
+	slices.SortFunc(d.remove, func(a, b string) int { return cmp.Compare(prefixLen(a), prefixLen(b)) })
 	for _, k := range d.remove {
 		if err := d.m.Delete([]byte(k)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("delete policy entry: %w", err)
 		}
 	}
-	for k, v := range d.update {
-		if err := d.m.Update([]byte(k), v, ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("update policy entry: %w", err)
-		}
-	}
 	return nil
+}
+
+// prefixLen is the prefix length of a key as lpmKey and tierKey encode
+// it. Within one selector byte of the tiers trie, longer is longer, which
+// is all apply needs: an address is judged only by entries of its selector.
+func prefixLen(key string) uint32 {
+	return binary.LittleEndian.Uint32([]byte(key[:4]))
 }

@@ -25,7 +25,9 @@ import (
 // the new table: TestLayoutRecorded compares it with
 // testdata/layout-v<N>.txt. A map whose entries change format or meaning
 // also gets the new version as its since, which tells a later build that
-// its entries cannot be copied from pins of an earlier layout.
+// its entries cannot be copied from pins of an earlier layout; unless the
+// take-over converts it in place, as layout 4 does with the state's
+// padding byte (syncSides), which keeps since 1 so that the pin is reused.
 const LayoutVersion = 4
 
 // sidesLayout is the layout that gave the policy two sides (struct id_state).
