@@ -40,30 +40,34 @@ func Resolve(m Mode) (Mode, error) {
 	return resolve(m, TCXSupported)
 }
 
-// ResolveRecorded is Resolve with the TCX probe's answer kept in the
-// record at path (a symlink, as pinfs writes records) for the processes
-// after this one: a kernel's features change only with a reboot, which
-// also empties bpffs, where the record lives, while the probe takes the
-// kernel's rtnl lock, for which a burst of pod starts queues (the probe
-// took 66 to 150 ms of each ADD in TestChurn's bursts). A record that
-// cannot be written costs the next process the probe, nothing more.
-func ResolveRecorded(m Mode, path string) (Mode, error) {
-	return resolve(m, func() error { return tcxRecorded(path) })
+// TCXRecord is the path of a record (a symlink, as pinfs writes records)
+// of the TCX probe's answer, kept for the processes after this one: a
+// kernel's features change only with a reboot, which also empties bpffs,
+// where the record lives, while the probe takes the kernel's rtnl lock,
+// for which a burst of pod starts queues (the probe took 66 to 150 ms of
+// each ADD in TestChurn's bursts).
+type TCXRecord string
+
+// Resolve is the package's Resolve with the recorded answer, when the
+// record has one. Otherwise it probes, and save says so: the caller saves
+// the answer (Save) once its call has succeeded, so that a failed call
+// leaves nothing behind.
+func (r TCXRecord) Resolve(m Mode) (mode Mode, save bool, err error) {
+	recorded := r.read()
+	mode, err = resolve(m, func() error {
+		if recorded != nil {
+			return *recorded
+		}
+		save = true
+		return TCXSupported()
+	})
+	return mode, save && err == nil, err
 }
 
-// Answers of the TCX probe as ResolveRecorded records them.
-const (
-	recordTCX   = "tcx"
-	recordNoTCX = "no-tcx"
-)
-
-func tcxRecorded(path string) error {
-	switch text, ok, err := pinfs.ReadRecord(path); {
-	case err == nil && ok && text == recordTCX:
-		return nil
-	case err == nil && ok && text == recordNoTCX:
-		return ErrTCXUnsupported
-	}
+// Save records the probe's answer (probing if this process has not). A
+// record that cannot be written costs the next process the probe, nothing
+// more: its error is for the log.
+func (r TCXRecord) Save() error {
 	err := TCXSupported()
 	answer := recordTCX
 	switch {
@@ -72,11 +76,34 @@ func tcxRecorded(path string) error {
 	case err != nil:
 		return err // the probe failed: nothing to record
 	}
-	if os.MkdirAll(filepath.Dir(path), 0o700) == nil {
-		_ = pinfs.WriteRecord(path, answer) // best effort: see ResolveRecorded
+	if err := os.MkdirAll(filepath.Dir(string(r)), 0o700); err != nil {
+		return fmt.Errorf("record the tcx probe: %w", err)
 	}
-	return err
+	return pinfs.WriteRecord(string(r), answer)
 }
+
+// read is the recorded answer as TCXSupported gives it; nil without one.
+func (r TCXRecord) read() *error {
+	text, ok, err := pinfs.ReadRecord(string(r))
+	if err != nil || !ok {
+		return nil
+	}
+	var answer error
+	switch text {
+	case recordTCX:
+	case recordNoTCX:
+		answer = ErrTCXUnsupported
+	default:
+		return nil
+	}
+	return &answer
+}
+
+// Answers of the TCX probe as TCXRecord records them.
+const (
+	recordTCX   = "tcx"
+	recordNoTCX = "no-tcx"
+)
 
 func resolve(m Mode, tcxSupported func() error) (Mode, error) {
 	switch m {

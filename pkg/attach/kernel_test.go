@@ -567,45 +567,52 @@ func TestResolveAuto(t *testing.T) {
 	}
 }
 
-// TestResolveRecorded: the first resolution records the probe's answer,
-// later ones take it from the record without probing (a record saying the
-// opposite of the kernel is believed, which shows the probe did not run),
-// and a record that is neither answer is probed again and replaced.
-func TestResolveRecorded(t *testing.T) {
+// TestTCXRecord: a resolution without a record probes and asks for the
+// answer to be saved, writing nothing itself; Save records it; later
+// resolutions take it from the record without probing (a record saying
+// the opposite of the kernel is believed, which shows the probe did not
+// run) and ask for no save; a record that is neither answer is ignored.
+func TestTCXRecord(t *testing.T) {
 	kernel.RequireRoot(t)
-	path := filepath.Join(t.TempDir(), "status", "tcx")
+	r := TCXRecord(filepath.Join(t.TempDir(), "status", "tcx"))
 	want, answer := ModeTCX, recordTCX
 	if errors.Is(TCXSupported(), ErrTCXUnsupported) {
 		want, answer = ModeTC, recordNoTCX
 	}
-	if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != want {
-		t.Fatalf("ResolveRecorded(auto) = %s, %v; want %s", got, err, want)
+	if got, save, err := r.Resolve(ModeAuto); err != nil || got != want || !save {
+		t.Fatalf("Resolve(auto) without a record = %s, save %v, %v; want %s and a save", got, save, err, want)
 	}
-	if text, err := os.Readlink(path); err != nil || text != answer {
+	if _, err := os.Lstat(string(r)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("Resolve wrote the record (%v)", err)
+	}
+	if err := r.Save(); err != nil {
+		t.Fatal(err)
+	}
+	if text, err := os.Readlink(string(r)); err != nil || text != answer {
 		t.Fatalf("record %q, %v; want %q", text, err, answer)
 	}
 	for _, c := range []struct {
 		record string
 		want   Mode
 	}{{recordNoTCX, ModeTC}, {recordTCX, ModeTCX}} {
-		if err := pinfs.WriteRecord(path, c.record); err != nil {
+		if err := pinfs.WriteRecord(string(r), c.record); err != nil {
 			t.Fatal(err)
 		}
-		if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != c.want {
-			t.Errorf("with the record %q: ResolveRecorded(auto) = %s, %v; want %s", c.record, got, err, c.want)
+		if got, save, err := r.Resolve(ModeAuto); err != nil || got != c.want || save {
+			t.Errorf("with the record %q: Resolve(auto) = %s, save %v, %v; want %s, no save", c.record, got, save, err, c.want)
 		}
 	}
-	if _, err := ResolveRecorded(ModeTCX, path); err != nil {
-		t.Errorf("ResolveRecorded(tcx) with the record %q: %v", recordTCX, err)
+	if _, _, err := r.Resolve(ModeTCX); err != nil {
+		t.Errorf("Resolve(tcx) with the record %q: %v", recordTCX, err)
 	}
-	if err := pinfs.WriteRecord(path, "garbage"); err != nil {
+	if got, save, err := r.Resolve(ModeTC); err != nil || got != ModeTC || save {
+		t.Errorf("Resolve(tc) = %s, save %v, %v; want tc without a probe", got, save, err)
+	}
+	if err := pinfs.WriteRecord(string(r), "garbage"); err != nil {
 		t.Fatal(err)
 	}
-	if got, err := ResolveRecorded(ModeAuto, path); err != nil || got != want {
-		t.Errorf("with a garbage record: ResolveRecorded(auto) = %s, %v; want %s", got, err, want)
-	}
-	if text, err := os.Readlink(path); err != nil || text != answer {
-		t.Errorf("the garbage record became %q, %v; want %q", text, err, answer)
+	if got, save, err := r.Resolve(ModeAuto); err != nil || got != want || !save {
+		t.Errorf("with a garbage record: Resolve(auto) = %s, save %v, %v; want %s and a save", got, save, err, want)
 	}
 }
 

@@ -72,7 +72,8 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.mark("find-veth")
-	mode, err := attach.ResolveRecorded(conf.attachMode, pinpath.Root(conf.PinRoot).TCXProbe())
+	probe := attach.TCXRecord(pinpath.Root(conf.PinRoot).TCXProbe())
+	mode, saveProbe, err := probe.Resolve(conf.attachMode)
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	}
@@ -127,6 +128,11 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	call.action = fmt.Sprintf("attached (%s), policy selected=%v ingress-isolated=%v egress-isolated=%v",
 		mode, set.Selected, set.Ingress.Isolated, set.Egress.Isolated)
+	if saveProbe {
+		if err := probe.Save(); err != nil {
+			call.action += fmt.Sprintf("; the tcx probe's answer is not recorded: %v", err)
+		}
+	}
 	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
 }
 
