@@ -29,9 +29,10 @@ import (
 // not measured), all replicas sharing one pod
 // identifier. Afterwards nothing of podfence is left beyond the running
 // pods' identifiers and the node's global maps, and the plugin's ADD and
-// DEL take as long at the end as at the start (p50 of podfence's own work
-// in the last tenth within 1.2 times the first tenth's, from the plugin's
-// own log; every phase's p50 is logged).
+// DEL take as long at the end as at the start: in the last tenth of the
+// run, the p50 of its own phases and (from 40 rounds on) of its CPU time
+// and of the whole call within 1.2 times the first tenth's, from the
+// plugin's own log (every phase's p50 is logged).
 func TestChurn(t *testing.T) {
 	n := needNode(t)
 	rounds := 4
@@ -117,33 +118,55 @@ func TestChurn(t *testing.T) {
 		t.Errorf("the node's global maps: %q, %v", out, err)
 	}
 
-	// The plugin's ADD and DEL keep their speed.
+	// The plugin's ADD and DEL keep their speed. Three p50s, each of the
+	// last tenth of the run within 1.2 times the first tenth's:
+	//   - the wall-clock time of podfence's own phases (loggedCall.work);
+	//   - from 40 rounds on, the CPU time, what podfence itself spends on a
+	//     call (in a 4-round run: 31.1 and 31.5 ms for ADD, 20.2 and 23.1
+	//     ms for DEL, one round's 50 calls too few for a steady p50);
+	//   - from 40 rounds on, the whole call, as a runtime sees it (the
+	//     issue's measure): it is mostly the wait for the identifier's lock,
+	//     that is the call's place in its burst's queue, which varies from
+	//     round to round (3.9 s and 5.0 s for the first and the fourth of a
+	//     4-round run), so a tenth must hold several rounds to compare.
+	// A tenth is rounded up to whole rounds: log order is finishing order,
+	// and a burst's last ADDs are those that queued longest, so a tenth
+	// that cut a burst in two would compare short waits with long ones.
 	log, err := n.Exec("cat", "/var/log/podfence/churn.log").Output()
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A scale-up's ADDs of one identifier queue for its lock (each holds
-	// it while it attaches: TCX waits for RCU grace periods), so a call's
-	// time is mostly its place in the queue: what would grow with a leak is
-	// its own work (loggedCall.work).
+	tenthRounds := max(1, rounds/10)
+	tenth := tenthRounds * replicas
 	for _, cmd := range []string{"ADD", "DEL"} {
 		calls := workCalls(log, cmd)
 		if len(calls) < replicas*rounds {
 			t.Errorf("%d %ss that did their work in the plugin's log, want %d", len(calls), cmd, replicas*rounds)
 			continue
 		}
-		tenth := len(calls) / 10
 		firstCalls, lastCalls := calls[:tenth], calls[len(calls)-tenth:]
-		first, last := p50(firstCalls, loggedCall.work), p50(lastCalls, loggedCall.work)
-		t.Logf("%s p50 of podfence's own work: first tenth %.1f ms, last tenth %.1f ms; in all %.1f ms and %.1f ms (%d calls)",
-			cmd, first, last, p50(firstCalls, loggedCall.total), p50(lastCalls, loggedCall.total), len(calls))
+		for _, m := range []struct {
+			what   string
+			of     func(loggedCall) float64
+			assert bool
+		}{
+			{"CPU time", loggedCall.cpu, tenthRounds >= 4},
+			{"own phases' wall-clock time", loggedCall.work, true},
+			{"whole call", loggedCall.total, tenthRounds >= 4},
+		} {
+			first, last := p50(firstCalls, m.of), p50(lastCalls, m.of)
+			t.Logf("%s p50 of the %s: first tenth %.1f ms, last tenth %.1f ms (%d calls a tenth)", cmd, m.what, first, last, tenth)
+			switch {
+			case first <= 0 || last <= 0:
+				t.Errorf("%s: no %s in the plugin's log", cmd, m.what)
+			case m.assert && last > 1.2*first:
+				t.Errorf("%s p50 of the %s grew from %.1f ms to %.1f ms over the run", cmd, m.what, first, last)
+			}
+		}
 		// Where the time goes, so that a slower run says which phase grew.
 		for _, phase := range slices.Sorted(maps.Keys(calls[0].Phases)) {
 			of := func(c loggedCall) float64 { return c.Phases[phase] }
 			t.Logf("  %s phase %s p50: first tenth %.1f ms, last tenth %.1f ms", cmd, phase, p50(firstCalls, of), p50(lastCalls, of))
-		}
-		if last > 1.2*first {
-			t.Errorf("%s p50 grew from %.1f ms to %.1f ms over the run", cmd, first, last)
 		}
 	}
 }
@@ -195,21 +218,23 @@ type loggedCall struct {
 	Cmd      string             `json:"cmd"`
 	Action   string             `json:"action"`
 	Duration float64            `json:"duration_ms"`
+	CPU      float64            `json:"cpu_ms"`
 	Phases   map[string]float64 `json:"phases_ms"`
 	Error    string             `json:"error"`
 }
 
-// total is the call's time in ms; work is podfence's own part of it, the
-// phases whose time depends on what podfence keeps on the node (policy
-// read, maps opened, policy applied, programs attached). Left out: the
-// wait for the identifier's lock; find-veth, netlink lookups of the
-// runtime's veth, which queue behind the veths the runtime creates and
-// deletes for the burst's other pods (91 ms at the start, 199 ms at the
-// end of a run whose own phases stayed flat); and check-policy, whose time
-// is the kernel probe of the attach mode (its policy read, done again
-// under the lock as read-policy, takes 0.1 ms; the phase went from 66 to
-// 150 ms in a run whose own phases stayed flat).
+// total is the call's time in ms; cpu the CPU time of the plugin's
+// process, which holds its Go runtime's start. work is the wall-clock time
+// of the phases whose time depends on what podfence keeps on the node
+// (policy read, maps opened, policy applied, programs attached), leaving
+// out: the wait for the identifier's lock; find-veth, netlink lookups of
+// the runtime's veth, which queue behind the veths the runtime creates and
+// deletes for the burst's other pods; and check-policy, the attach mode's
+// probe. Those phases still hold waits that are not podfence's work: for
+// the CPUs, which the kubelet, containerd and the API server share with
+// it, and for RCU grace periods (TCX attach and detach).
 func (c loggedCall) total() float64 { return c.Duration }
+func (c loggedCall) cpu() float64   { return c.CPU }
 func (c loggedCall) work() float64 {
 	return c.Duration - c.Phases["lock"] - c.Phases["find-veth"] - c.Phases["check-policy"]
 }
