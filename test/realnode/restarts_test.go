@@ -36,8 +36,9 @@ type serviceTraffic struct {
 	vip                 string
 	clientUID, stranger string
 
-	stopped atomic.Bool
-	wg      sync.WaitGroup
+	stopped  atomic.Bool
+	wg       sync.WaitGroup
+	reported sync.Once
 
 	allowed, longRequests, strangerTries atomic.Int64
 	mu                                   sync.Mutex
@@ -95,17 +96,33 @@ func startServiceTraffic(t testing.TB, n *node.Node, vip, clientUID, strangerUID
 	return st
 }
 
-// request makes one request on a new connection from the pod.
+// request makes one request on a new connection from the pod. Its error
+// says how far the connection got: not connected, or connected from which
+// port (for the node's conntrack table and podfence's trace) and after
+// how long.
 func (st *serviceTraffic) request(uid string) error {
+	type dialed struct {
+		local net.Addr
+		after time.Duration
+	}
+	start := time.Now()
+	var connected atomic.Pointer[dialed] // set by the transport's goroutine
 	c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			return st.n.DialFromPod(ctx, uid, network, addr)
+			c, err := st.n.DialFromPod(ctx, uid, network, addr)
+			if err == nil {
+				connected.Store(&dialed{c.LocalAddr(), time.Since(start)})
+			}
+			return c, err
 		},
 		DisableKeepAlives: true,
 	}}
 	resp, err := c.Get("http://" + st.vip + "/hostname")
 	if err != nil {
-		return err
+		if d := connected.Load(); d != nil {
+			return fmt.Errorf("connected from %s in %v: %w", d.local, d.after.Round(time.Millisecond), err)
+		}
+		return fmt.Errorf("not connected: %w", err)
 	}
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -120,19 +137,23 @@ func (st *serviceTraffic) fail(format string, args ...any) {
 	st.failures = append(st.failures, time.Now().Format("15:04:05.000")+": "+fmt.Sprintf(format, args...))
 }
 
-// stop ends the traffic and fails t with every failure seen.
+// stop ends the traffic and fails t with every failure seen. A test
+// calls it before its last checks and defers it for a t.Fatal on the way:
+// the failures are reported once.
 func (st *serviceTraffic) stop(t testing.TB) {
 	st.stopped.Store(true)
 	st.wg.Wait()
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	for i, f := range st.failures {
-		if i == 20 {
-			t.Errorf("... and %d more", len(st.failures)-20)
-			break
+	st.reported.Do(func() {
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		for i, f := range st.failures {
+			if i == 20 {
+				t.Errorf("... and %d more", len(st.failures)-20)
+				break
+			}
+			t.Error(f)
 		}
-		t.Error(f)
-	}
+	})
 }
 
 // serviceScene is two backends behind a Service, whose NetworkPolicy lets
@@ -169,6 +190,27 @@ func serviceScene(t *testing.T, n *node.Node) (vip string, client, stranger *cor
 		t.Fatal(err)
 	}
 	vip = net.JoinHostPort(svc.Spec.ClusterIP, "80")
+	// No connection before kube-proxy DNATs the ClusterIP: a SYN it does
+	// not know yet is routed as it is, to the node's default gateway (which
+	// does not answer here), and the kernel keeps that flow's conntrack
+	// entry, not NATed, for 120 s (nf_conntrack_tcp_timeout_syn_sent) after
+	// the connect failed. A later connection the kernel gives the same
+	// source port matches it and fails the same way, 3 s later, with "no
+	// route to host": kube-proxy flushes such entries for UDP only. The
+	// test would then count, minutes into its restarts, a failure that is
+	// the Service's creation's.
+	waitFor(t, "kube-proxy to DNAT "+vip, 30*time.Second, func() error {
+		out, err := n.Exec("iptables-save", "-t", "nat").Output()
+		if err != nil {
+			return err
+		}
+		for _, rule := range strings.Split(string(out), "\n") {
+			if strings.Contains(rule, "-d "+svc.Spec.ClusterIP+"/32") && strings.Contains(rule, "-j KUBE-SVC-") {
+				return nil
+			}
+		}
+		return fmt.Errorf("no rule of the nat table sends %s to its endpoints", svc.Spec.ClusterIP)
+	})
 	st := &serviceTraffic{n: n, vip: vip}
 	waitFor(t, "the client through the Service", 30*time.Second, func() error { return st.request(string(client.UID)) })
 	return vip, client, stranger
