@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net/netip"
 	"reflect"
+	"runtime"
 	"testing"
 
 	"github.com/podfence/podfence/pkg/policy"
@@ -213,5 +214,46 @@ func TestApplyPolicyAfterStopClearsUnnamedSets(t *testing.T) {
 				t.Fatalf("port_sets holds %d sets, the entries name %d", len(held), len(named))
 			}
 		})
+	}
+}
+
+// TestApplyPolicyKeepsWhatItReadAcrossCollections runs garbage collections
+// during a policy change, after its switch, and fills the heap with maps
+// of keys no trie can hold. What the change read of the side it leaves
+// behind must survive them: it is how the change makes that side level.
+// (Go 1.26 and 1.27 compile a pointer into a local array, taken with a
+// variable index and kept across calls, without keeping the array live;
+// switchPolicy's reads were freed that way, and their memory reused.)
+func TestApplyPolicyKeepsWhatItReadAcrossCollections(t *testing.T) {
+	h := newHarness(t)
+	h.apply(t, isolate(hostRules(0, 300, false), nil))
+	var junk []map[string]podfencePolicyValue
+	t.Cleanup(func() { testStop = nil })
+	testStop = func(step string) error {
+		if step != "switched" {
+			return nil
+		}
+		for range 2 {
+			runtime.GC()
+		}
+		for range 200 {
+			m := make(map[string]podfencePolicyValue, 300)
+			for k := range 300 {
+				// A prefix length of 255: never a key of a trie.
+				m[string([]byte{255, 0, 0, 0, 10, 9, byte(k >> 8), byte(k)})] = podfencePolicyValue{Count: 9}
+			}
+			junk = append(junk, m)
+		}
+		return nil
+	}
+	h.apply(t, isolate(hostRules(1000, 300, false), nil))
+	testStop = nil
+	runtime.KeepAlive(junk)
+	a, b := readSide(t, h, 0), readSide(t, h, 1)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("the sides differ after the change")
+	}
+	if n := len(a.policy[policy.Ingress][0]); n < 300 || n > 310 {
+		t.Fatalf("side 0 holds %d IPv4 ingress entries, want the policy's 300 and the node's", n)
 	}
 }

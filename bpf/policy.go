@@ -106,7 +106,12 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 		return nil, err
 	}
 	inForce := sideOf(st.Generation)
-	var have [2]sideEntries
+	// On the heap, not the stack: Go 1.26 and 1.27 keep a pointer to
+	// have[inForce], taken once, across the calls below, yet let the
+	// collector skip have itself, so that a collection during change
+	// freed the maps that the Leveling then reads
+	// (TestApplyPolicyKeepsWhatItReadAcrossCollections).
+	have := new([2]sideEntries)
 	if have[inForce], err = i.Sides[inForce].entries(); err != nil {
 		return nil, fmt.Errorf("read side %d: %w", inForce, err)
 	}
@@ -142,7 +147,7 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 		return nil, err
 	}
 	want.use(sets)
-	if err := want.fits(have, sets); err != nil {
+	if err := want.fits(*have, sets); err != nil {
 		return nil, err
 	}
 	mode := stateModeStandard
@@ -156,7 +161,7 @@ func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
 	level := enforcedOn(st, 1-inForce) == want.enforced && i.Sides[1-inForce].diff(have[1-inForce], want).empty()
 	switch {
 	case !current:
-		if st, err = i.change(st, mode, want, have, sets); err != nil {
+		if st, err = i.change(st, mode, want, *have, sets); err != nil {
 			return nil, err
 		}
 		return &Leveling{i: i, st: st, want: want, have: have[inForce], sets: sets}, nil
