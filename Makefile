@@ -131,6 +131,7 @@ demo:
 
 lint: check-generated build-arm64
 	$(GO) vet $(PKGS)
+	$(GO) run ./hack/livecheck $(PKGS)
 	GOARCH=arm64 $(GO) vet $(PKGS)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
