@@ -109,11 +109,11 @@ func (st *serviceTraffic) request(uid string) error {
 	var connected atomic.Pointer[dialed] // set by the transport's goroutine
 	c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			c, err := st.n.DialFromPod(ctx, uid, network, addr)
+			conn, err := st.n.DialFromPod(ctx, uid, network, addr)
 			if err == nil {
-				connected.Store(&dialed{c.LocalAddr(), time.Since(start)})
+				connected.Store(&dialed{conn.LocalAddr(), time.Since(start)})
 			}
-			return c, err
+			return conn, err
 		},
 		DisableKeepAlives: true,
 	}}
