@@ -160,14 +160,30 @@ func peerConnects(n *node.Node, uid, ip string) bool {
 // connection from addr to its port 8080.
 func why(t *testing.T, n *node.Node, pod, addr string) string {
 	t.Helper()
-	out, err := n.Kubectl("-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
-		"/usr/local/bin/podfence-sweeper", "why", "--json", "--pod", pod, "--from", addr, "8080/tcp")
+	return askWhy(t, n, "--pod", pod, "--from", addr, "8080/tcp").Verdict
+}
+
+// whyAnswer is what the sweeper's `why --json` says (the fields tests read).
+type whyAnswer struct {
+	Verdict string
+	Reason  string
+	Tier    *struct {
+		Tier, Policy, Action string
+		Priority             int
+	}
+}
+
+// askWhy runs the node's sweeper's `why --json` with args.
+func askWhy(t testing.TB, n *node.Node, args ...string) whyAnswer {
+	t.Helper()
+	out, err := n.Kubectl(append([]string{"-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
+		"/usr/local/bin/podfence-sweeper", "why", "--json"}, args...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var w struct{ Verdict string }
+	var w whyAnswer
 	if err := json.Unmarshal(out, &w); err != nil {
 		t.Fatalf("why: %s: %v", out, err)
 	}
-	return w.Verdict
+	return w
 }

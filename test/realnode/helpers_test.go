@@ -181,11 +181,56 @@ func isolateIngress(t testing.TB, cs *kubernetes.Clientset, ns, app string, from
 	}
 }
 
+// serviceFor creates a Service named app in front of the pods labelled
+// app=<app> (port 80 to netexec's 8080) and returns its ClusterIP's
+// host:port once kube-proxy DNATs it. No connection may go to a ClusterIP
+// before that: a SYN kube-proxy does not know yet is routed as it is, to
+// the node's default gateway (which does not answer here), and the kernel
+// keeps that flow's conntrack entry, not NATed, for 120 s
+// (nf_conntrack_tcp_timeout_syn_sent) after the connect failed. A later
+// connection the kernel gives the same source port matches it and fails
+// the same way, 3 s later, with "no route to host": kube-proxy flushes such
+// entries for UDP only. A test would then count a failure that is the
+// Service's creation's.
+func serviceFor(t testing.TB, n *node.Node, cs *kubernetes.Clientset, ns, app string) string {
+	t.Helper()
+	svc, err := cs.CoreV1().Services(ns).Create(context.Background(), &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: app},
+		Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"app": app},
+			Ports:    []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromInt32(8080)}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vip := svc.Spec.ClusterIP
+	waitFor(t, "kube-proxy to DNAT "+vip, 30*time.Second, func() error {
+		out, err := n.Exec("iptables-save", "-t", "nat").Output()
+		if err != nil {
+			return err
+		}
+		for _, rule := range strings.Split(string(out), "\n") {
+			if strings.Contains(rule, "-d "+vip+"/32") && strings.Contains(rule, "-j KUBE-SVC-") {
+				return nil
+			}
+		}
+		return fmt.Errorf("no rule of the nat table sends %s to its endpoints", vip)
+	})
+	return net.JoinHostPort(vip, "80")
+}
+
 // reaches connects from the pod with uid to ip's port 8080 (netexec's).
 func reaches(n *node.Node, uid types.UID, ip string) error {
+	return connects(n, uid, net.JoinHostPort(ip, "8080"))
+}
+
+// connects opens a TCP connection from the pod with uid to hostport, and
+// closes it.
+func connects(n *node.Node, uid types.UID, hostport string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
-	c, err := n.DialFromPod(ctx, string(uid), "tcp", net.JoinHostPort(ip, "8080"))
+	c, err := n.DialFromPod(ctx, string(uid), "tcp", hostport)
 	if err != nil {
 		return err
 	}

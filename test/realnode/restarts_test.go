@@ -17,9 +17,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/test/builds"
@@ -161,56 +158,13 @@ func (st *serviceTraffic) stop(t testing.TB) {
 func serviceScene(t *testing.T, n *node.Node) (vip string, client, stranger *corev1.Pod) {
 	cs := clientset(t, n)
 	ns := namespace(t, cs, "restarts")
-	ctx := context.Background()
-	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(ctx, &networkingv1.NetworkPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: "backend"},
-		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "backend"}},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
-			Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{
-				PodSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "client"}},
-			}}}},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	isolateIngress(t, cs, ns, "backend", "client")
 	for _, name := range []string{"backend-0", "backend-1"} {
 		runPod(t, cs, ns, netexecPod(name, map[string]string{"app": "backend"}))
 	}
 	client = runPod(t, cs, ns, netexecPod("client", map[string]string{"app": "client"}))
 	stranger = runPod(t, cs, ns, netexecPod("stranger", map[string]string{"app": "stranger"}))
-	svc, err := cs.CoreV1().Services(ns).Create(ctx, &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Name: "backend"},
-		Spec: corev1.ServiceSpec{
-			Selector: map[string]string{"app": "backend"},
-			Ports:    []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromInt32(8080)}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	vip = net.JoinHostPort(svc.Spec.ClusterIP, "80")
-	// No connection before kube-proxy DNATs the ClusterIP: a SYN it does
-	// not know yet is routed as it is, to the node's default gateway (which
-	// does not answer here), and the kernel keeps that flow's conntrack
-	// entry, not NATed, for 120 s (nf_conntrack_tcp_timeout_syn_sent) after
-	// the connect failed. A later connection the kernel gives the same
-	// source port matches it and fails the same way, 3 s later, with "no
-	// route to host": kube-proxy flushes such entries for UDP only. The
-	// test would then count, minutes into its restarts, a failure that is
-	// the Service's creation's.
-	waitFor(t, "kube-proxy to DNAT "+vip, 30*time.Second, func() error {
-		out, err := n.Exec("iptables-save", "-t", "nat").Output()
-		if err != nil {
-			return err
-		}
-		for _, rule := range strings.Split(string(out), "\n") {
-			if strings.Contains(rule, "-d "+svc.Spec.ClusterIP+"/32") && strings.Contains(rule, "-j KUBE-SVC-") {
-				return nil
-			}
-		}
-		return fmt.Errorf("no rule of the nat table sends %s to its endpoints", svc.Spec.ClusterIP)
-	})
+	vip = serviceFor(t, n, cs, ns, "backend")
 	st := &serviceTraffic{n: n, vip: vip}
 	waitFor(t, "the client through the Service", 30*time.Second, func() error { return st.request(string(client.UID)) })
 	return vip, client, stranger

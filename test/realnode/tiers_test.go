@@ -4,14 +4,17 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
@@ -115,6 +118,15 @@ func (s *tierScene) create(name, tier string, priority int64, subject map[string
 	return at
 }
 
+// setPriority edits a ClusterNetworkPolicy's priority.
+func (s *tierScene) setPriority(name string, priority int) {
+	s.t.Helper()
+	patch := fmt.Sprintf(`{"spec":{"priority":%d}}`, priority)
+	if _, err := s.cnps.Patch(context.Background(), s.ns+"-"+name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
 func (s *tierScene) remove(names ...string) {
 	s.t.Helper()
 	for _, name := range names {
@@ -167,7 +179,14 @@ func TestClusterTiersOnNode(t *testing.T) {
 
 	dns := s.dnsPod()
 	s.lookup("client", dns) // before: DNS works
-	s.create("dns", "Admin", 1, s.peer("client"), nil, []any{map[string]any{
+	isolateEgress(t, s.cs, s.ns, "other")
+	waitFor(t, "other's DNS query refused by its NetworkPolicy", time.Minute, func() error {
+		if s.lookupErr("other", dns) == nil {
+			return fmt.Errorf("answered")
+		}
+		return nil
+	})
+	s.create("dns", "Admin", 1, all, nil, []any{map[string]any{
 		"action": "Accept",
 		"to": []any{map[string]any{"pods": map[string]any{
 			"namespaceSelector": map[string]any{"matchLabels": map[string]any{"kubernetes.io/metadata.name": "kube-system"}},
@@ -175,11 +194,68 @@ func TestClusterTiersOnNode(t *testing.T) {
 		}}},
 		"ports": []any{map[string]any{"portNumber": map[string]any{"protocol": "UDP", "port": int64(53)}}},
 	}})
+	// An Admin Accept decides without the NetworkPolicy.
+	waitFor(t, "other's DNS query accepted by the Admin tier over its NetworkPolicy", time.Minute, func() error {
+		return s.lookupErr("other", dns)
+	})
 	at = s.create("deny-egress", "Admin", 2, s.peer("client"), nil, []any{rule("Deny", "to", map[string]any{"networks": []any{"0.0.0.0/0"}})})
 	s.waitReach("client", "server", false, time.Minute)
 	t.Logf("Admin egress Deny enforced %v after the API write", time.Since(at).Round(time.Millisecond))
 	if err := s.lookupErr("client", dns); err != nil {
-		t.Errorf("a DNS query to the DNS pod under an Admin Accept of UDP/53 (priority 1) and a deny-all (2): %v", err)
+		t.Errorf("a DNS query to the DNS pod under an Admin Accept of UDP/53 for all pods (priority 1) and a deny-all (2): %v", err)
+	}
+}
+
+// TestClusterTierPrioritiesOnNode: of two Admin rules that match a
+// connection, the one of lower priority number decides, whatever their
+// prefix lengths: an egress Deny of the pod range and an Accept of the
+// server's address, swapped by editing the Accept's priority; `why` names
+// the rule each time. And the known limit (README, "Cluster-wide tiers"):
+// while the Deny of the pod range holds, the client still reaches the
+// server through its Service, since egress is judged before the Service's
+// DNAT.
+func TestClusterTierPrioritiesOnNode(t *testing.T) {
+	s := newTierScene(t)
+	vip := serviceFor(t, s.n, s.cs, s.ns, "server")
+	server := s.pods["server"].Status.PodIP
+	podRange := netip.PrefixFrom(netip.MustParseAddr(server), 16).Masked().String()
+	decides := func(policy, action string, priority int) {
+		t.Helper()
+		w := askWhy(t, s.n, "--pod", s.pods["client"].Name+"."+s.ns, "--to", server, "8080/tcp")
+		if w.Tier == nil || w.Tier.Tier != "Admin" || w.Tier.Policy != s.ns+"-"+policy || w.Tier.Action != action || w.Tier.Priority != priority {
+			t.Errorf("why client -> server: %+v (tier %+v), want the Admin %s of %s at priority %d", w, w.Tier, action, policy, priority)
+		}
+	}
+
+	s.create("deny-range", "Admin", 20, s.peer("client"), nil, []any{rule("Deny", "to", map[string]any{"networks": []any{podRange}})})
+	s.waitReach("client", "server", false, time.Minute)
+	decides("deny-range", "Deny", 20)
+	waitFor(t, "the client through the server's Service under an Admin Deny of "+podRange+" (judged before DNAT)", 10*time.Second, func() error {
+		return connects(s.n, s.pods["client"].UID, vip)
+	})
+
+	s.create("accept-server", "Admin", 10, s.peer("client"), nil, []any{rule("Accept", "to", s.peer("server"))})
+	s.waitReach("client", "server", true, time.Minute)
+	decides("accept-server", "Accept", 10)
+
+	// The Accept's /32 is longer than the Deny's /16: the priority decides.
+	s.setPriority("accept-server", 30)
+	s.waitReach("client", "server", false, time.Minute)
+	decides("deny-range", "Deny", 20)
+}
+
+// isolateEgress writes a NetworkPolicy that isolates the egress of the
+// pods labelled app=app, allowing nothing.
+func isolateEgress(t testing.TB, cs *kubernetes.Clientset, ns, app string) {
+	t.Helper()
+	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(context.Background(), &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: app + "-egress"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": app}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeEgress},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }
 
