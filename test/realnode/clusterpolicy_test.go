@@ -41,8 +41,8 @@ func dynamicClient(t testing.TB, n *node.Node) dynamic.Interface {
 // TestClusterPolicyMirrored: through the real controller, a
 // ClusterNetworkPolicy whose subject holds a pod here reaches the node as
 // its ClusterPolicyEndpoint in the policy directory's cluster/, where it
-// parses as written; the sweeper warns that this build does not enforce
-// it, with the count. Deleted, the file goes and the sweeper says so.
+// parses as written; the sweeper logs that cluster policies select pods
+// here, with the count. Deleted, the file goes and the sweeper says so.
 func TestClusterPolicyMirrored(t *testing.T) {
 	n := needNode(t)
 	cs := clientset(t, n)
@@ -119,7 +119,7 @@ func TestClusterPolicyMirrored(t *testing.T) {
 			return fmt.Errorf("no %q line with selected=%d since the policy was created", prefix, selected)
 		}
 	}
-	waitFor(t, "the sweeper's warning", 30*time.Second, warned("ClusterPolicyEndpoints select pods on this node", 1))
+	waitFor(t, "the sweeper's log line", 30*time.Second, warned("ClusterPolicyEndpoints select pods on this node", 1))
 
 	if err := cnps.Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
