@@ -2,11 +2,14 @@ package realnode
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -230,6 +233,9 @@ func TestClusterTierPrioritiesOnNode(t *testing.T) {
 	s.create("deny-range", "Admin", 20, s.peer("client"), nil, []any{rule("Deny", "to", map[string]any{"networks": []any{podRange}})})
 	s.waitReach("client", "server", false, time.Minute)
 	decides("deny-range", "Deny", 20)
+	if got := s.tiers(); !slices.Equal(got["client"], []string{"admin/egress"}) || got["server"] == nil || len(got["server"]) != 0 {
+		t.Errorf("ls: tiers by pod %v, want admin/egress for the client, none for the server", got)
+	}
 	waitFor(t, "the client through the server's Service under an Admin Deny of "+podRange+" (judged before DNAT)", 10*time.Second, func() error {
 		return connects(s.n, s.pods["client"].UID, vip)
 	})
@@ -242,6 +248,37 @@ func TestClusterTierPrioritiesOnNode(t *testing.T) {
 	s.setPriority("accept-server", 30)
 	s.waitReach("client", "server", false, time.Minute)
 	decides("deny-range", "Deny", 20)
+}
+
+// tiers is what the node's sweeper's ls says of the tiers of each scene
+// pod's identifier, by app.
+func (s *tierScene) tiers() map[string][]string {
+	s.t.Helper()
+	out, err := s.n.Kubectl("-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
+		"/usr/local/bin/podfence-sweeper", "ls", "--json")
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	var idents []struct {
+		Tiers   []string
+		Members []struct{ IPs []string }
+	}
+	if err := json.Unmarshal(out, &idents); err != nil {
+		s.t.Fatalf("ls --json: %s: %v", out, err)
+	}
+	byApp := map[string][]string{}
+	for app, p := range s.pods {
+		for _, id := range idents {
+			for _, m := range id.Members {
+				for _, ip := range m.IPs { // 10.244.0.7/32
+					if a, _, _ := strings.Cut(ip, "/"); a == p.Status.PodIP {
+						byApp[app] = append([]string{}, id.Tiers...) // not nil: the pod was found
+					}
+				}
+			}
+		}
+	}
+	return byApp
 }
 
 // isolateEgress writes a NetworkPolicy that isolates the egress of the
