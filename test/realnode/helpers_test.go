@@ -181,6 +181,21 @@ func isolateIngress(t testing.TB, cs *kubernetes.Clientset, ns, app string, from
 	}
 }
 
+// isolateEgress writes a NetworkPolicy that isolates the egress of the
+// pods labelled app=app, allowing nothing.
+func isolateEgress(t testing.TB, cs *kubernetes.Clientset, ns, app string) {
+	t.Helper()
+	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(context.Background(), &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: app + "-egress"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": app}},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeEgress},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // serviceFor creates a Service named app in front of the pods labelled
 // app=<app> (port 80 to netexec's 8080) and returns its ClusterIP's
 // host:port once kube-proxy DNATs it. No connection may go to a ClusterIP

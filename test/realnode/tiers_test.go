@@ -14,7 +14,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
@@ -145,8 +144,9 @@ func (s *tierScene) remove(names ...string) {
 // Admin Pass of higher priority handing the client back to the
 // NetworkPolicy, a Baseline deny-all that does not touch a pod a
 // NetworkPolicy isolates but closes one none does (whose kubelet probes
-// still pass), and an Admin Accept of UDP/53 to the DNS pods beside an
-// Admin deny of everything else. The time from each API write to the
+// still pass), and an Admin Accept of UDP/53 to the DNS pods for all pods,
+// which decides over a NetworkPolicy that isolates a pod's egress and
+// over an Admin deny of everything else of lower priority. The time from each API write to the
 // traffic's change is logged.
 func TestClusterTiersOnNode(t *testing.T) {
 	s := newTierScene(t)
@@ -279,21 +279,6 @@ func (s *tierScene) tiers() map[string][]string {
 		}
 	}
 	return byApp
-}
-
-// isolateEgress writes a NetworkPolicy that isolates the egress of the
-// pods labelled app=app, allowing nothing.
-func isolateEgress(t testing.TB, cs *kubernetes.Clientset, ns, app string) {
-	t.Helper()
-	if _, err := cs.NetworkingV1().NetworkPolicies(ns).Create(context.Background(), &networkingv1.NetworkPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: app + "-egress"},
-		Spec: networkingv1.NetworkPolicySpec{
-			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": app}},
-			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeEgress},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // dnsPod is the address of a Ready CoreDNS pod.
