@@ -166,7 +166,6 @@ func why(t *testing.T, n *node.Node, pod, addr string) string {
 // whyAnswer is what the sweeper's `why --json` says (the fields tests read).
 type whyAnswer struct {
 	Verdict string
-	Reason  string
 	Tier    *struct {
 		Tier, Policy, Action string
 		Priority             int
@@ -176,14 +175,7 @@ type whyAnswer struct {
 // askWhy runs the node's sweeper's `why --json` with args.
 func askWhy(t testing.TB, n *node.Node, args ...string) whyAnswer {
 	t.Helper()
-	out, err := n.Kubectl(append([]string{"-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
-		"/usr/local/bin/podfence-sweeper", "why", "--json"}, args...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var w whyAnswer
-	if err := json.Unmarshal(out, &w); err != nil {
-		t.Fatalf("why: %s: %v", out, err)
-	}
+	sweeperJSON(t, n, &w, append([]string{"why", "--json"}, args...)...)
 	return w
 }

@@ -196,6 +196,20 @@ func isolateEgress(t testing.TB, cs *kubernetes.Clientset, ns, app string) {
 	}
 }
 
+// sweeperJSON runs a command of the sweeper in its pod on the node and
+// decodes what it prints into v.
+func sweeperJSON(t testing.TB, n *node.Node, v any, args ...string) {
+	t.Helper()
+	out, err := n.Kubectl(append([]string{"-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
+		"/usr/local/bin/podfence-sweeper"}, args...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(out, v); err != nil {
+		t.Fatalf("podfence-sweeper %s: %s: %v", strings.Join(args, " "), out, err)
+	}
+}
+
 // serviceFor creates a Service named app in front of the pods labelled
 // app=<app> (port 80 to netexec's 8080) and returns its ClusterIP's
 // host:port once kube-proxy DNATs it. No connection may go to a ClusterIP

@@ -2,7 +2,6 @@ package realnode
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
@@ -254,18 +253,11 @@ func TestClusterTierPrioritiesOnNode(t *testing.T) {
 // pod's identifier, by app.
 func (s *tierScene) tiers() map[string][]string {
 	s.t.Helper()
-	out, err := s.n.Kubectl("-n", "kube-system", "exec", "ds/podfence-sweeper", "-c", "sweeper", "--",
-		"/usr/local/bin/podfence-sweeper", "ls", "--json")
-	if err != nil {
-		s.t.Fatal(err)
-	}
 	var idents []struct {
 		Tiers   []string
 		Members []struct{ IPs []string }
 	}
-	if err := json.Unmarshal(out, &idents); err != nil {
-		s.t.Fatalf("ls --json: %s: %v", out, err)
-	}
+	sweeperJSON(s.t, s.n, &idents, "ls", "--json")
 	byApp := map[string][]string{}
 	for app, p := range s.pods {
 		for _, id := range idents {
