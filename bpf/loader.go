@@ -879,7 +879,7 @@ func CheckLoad() error {
 }
 
 // RemoveNode removes the pin root's node-wide pins (the global maps, the
-// verified-build marks, the policy error) and then the root itself, once
+// verified-build marks, the DELs' tombstones, the policy error) and then the root itself, once
 // RemoveIdentifier has emptied its identifiers. Loaded programs hold
 // their maps, so it is for a node podfence leaves. Without the global
 // layout marker (not a pin root of podfence's, or one already removed) it
@@ -901,7 +901,7 @@ func RemoveNode(pinRoot string) error {
 	case err != nil:
 		return fmt.Errorf("remove node pins: %w", err)
 	}
-	for _, dir := range []string{r.Global(), r.Status()} {
+	for _, dir := range []string{r.Global(), r.Status(), r.Tombstones()} {
 		if err := os.RemoveAll(dir); err != nil {
 			return fmt.Errorf("remove node pins: %w", err)
 		}

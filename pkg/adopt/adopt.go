@@ -10,11 +10,14 @@
 // the runtime's DEL, CHECK and GC, ls, upgrades and the orphan sweep treat
 // it like any other.
 //
-// Races with the runtime are settled by the identifier's lock, which the
-// plugin takes: a sandbox whose ADD is in flight is not ready yet and is
-// left alone, and a sandbox that stops being ready while it is adopted
-// gets a DEL. A DEL that ran between the two leaves a member whose veth is
-// gone, which the orphan sweep removes.
+// Races with the runtime are settled under the identifier's lock, which
+// the plugin takes. A sandbox whose ADD is in flight is not ready yet and
+// is left alone. The runtime's DEL of a sandbox a pass has listed leaves a
+// tombstone (package membership) that the pass's ADD, marked as an
+// adoption's (cniconf.AdoptionArg), finds under the lock: it adds nothing.
+// A DEL that comes after the ADD removes the member as any DEL does. A
+// sandbox that stops being ready, or that the runtime no longer knows,
+// while it is adopted gets a DEL of the pass's own.
 package adopt
 
 import (
@@ -28,6 +31,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/podfence/podfence/bpf"
@@ -70,9 +74,28 @@ type Report struct {
 	Sandboxes int       // ready, with a network namespace of their own
 	Fenced    int       // already members
 	Adopted   []Adopted // the pods adopted now
-	Seeded    Seeded    // their live flows, judged as they were opened
-	Failed    []error   // one per sandbox that could not be adopted
+	// Gone are the pods the runtime deleted while the pass adopted them:
+	// their DEL ran first (nothing added), or they stopped being ready or
+	// known to the runtime once added (taken off again).
+	Gone []Gone
+	// Deferred are sandboxes left to the next pass: the listing had grown
+	// too old to act on (listingMaxAge).
+	Deferred int
+	Seeded   Seeded  // the adopted pods' live flows, judged as they were opened
+	Failed   []error // one per sandbox that could not be adopted
 }
+
+// Gone is a pod the runtime deleted while a pass adopted it.
+type Gone struct {
+	Pod     string // namespace/name
+	Sandbox string
+	How     string // what the pass saw
+}
+
+// listingMaxAge bounds how long a pass acts on one listing of the
+// sandboxes: the tombstone of a DEL that ran after the listing must still
+// be there when the pass runs the ADD.
+const listingMaxAge = membership.TombstoneTTL / 2
 
 // Adopted is a pod a pass fenced.
 type Adopted struct {
@@ -110,8 +133,13 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		r.Failed = append(r.Failed, err) // some could not be read: the others are adopted
 	}
 	r.Sandboxes = len(sandboxes)
+	listed := time.Now()
 	var adopted []Sandbox
-	for _, sb := range sandboxes {
+	for i, sb := range sandboxes {
+		if time.Since(listed) > listingMaxAge {
+			r.Deferred = len(sandboxes) - i
+			break
+		}
 		_, err := pins.FindContainer(sb.ID, IfName)
 		if err == nil {
 			r.Fenced++
@@ -121,8 +149,13 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 			r.Failed = append(r.Failed, err)
 			continue
 		}
-		if err := adoptOne(ctx, o, conf, sb); err != nil {
+		gone, err := adoptOne(ctx, o, conf, sb)
+		if err != nil {
 			r.Failed = append(r.Failed, fmt.Errorf("adopt %s/%s (sandbox %s): %w", sb.Namespace, sb.Name, sb.ID, err))
+			continue
+		}
+		if gone != "" {
+			r.Gone = append(r.Gone, Gone{Pod: sb.Namespace + "/" + sb.Name, Sandbox: sb.ID, How: gone})
 			continue
 		}
 		a := Adopted{Pod: sb.Namespace + "/" + sb.Name, Sandbox: sb.ID}
@@ -177,11 +210,19 @@ func pluginConf(conflist []byte) (plugin, error) {
 	return plugin{name: top.Name, cniVersion: top.CNIVersion, entry: entry}, nil
 }
 
+// How adoptOne saw a pod the runtime deleted meanwhile.
+const (
+	goneBeforeAdd = "its DEL ran before the ADD: nothing added"
+	goneNotReady  = "stopped being ready once added: taken off again"
+	goneUnknown   = "the runtime no longer knows it once added: taken off again"
+)
+
 // adoptOne runs the plugin's ADD for sb, and its DEL when sb stopped
-// being ready meanwhile.
-func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
+// being ready, or was removed, meanwhile. gone says how it saw a pod the
+// runtime deleted; empty when the pod is adopted.
+func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) (gone string, err error) {
 	if len(sb.IPs) == 0 {
-		return errors.New("the runtime reports no address for the pod")
+		return "", errors.New("the runtime reports no address for the pod")
 	}
 	prev := &current.Result{CNIVersion: current.ImplementedSpecVersion,
 		Interfaces: []*current.Interface{{Name: IfName, Sandbox: sb.Netns}}}
@@ -192,7 +233,7 @@ func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
 	}
 	conv, err := prev.GetAsVersion(p.cniVersion)
 	if err != nil {
-		return fmt.Errorf("prevResult at CNI version %s: %w", p.cniVersion, err)
+		return "", fmt.Errorf("prevResult at CNI version %s: %w", p.cniVersion, err)
 	}
 	netconf := map[string]any{}
 	for k, v := range p.entry {
@@ -204,13 +245,14 @@ func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
 	netconf["prevResult"] = conv
 	stdin, err := json.Marshal(netconf)
 	if err != nil {
-		return err
+		return "", err
 	}
 	bin := filepath.Join(o.BinDir, cniconf.PluginType)
 	args := func(cmd string) *invoke.Args {
 		return &invoke.Args{Command: cmd, ContainerID: sb.ID, NetNS: sb.Netns, IfName: IfName, Path: o.BinDir,
 			PluginArgsStr: strings.Join([]string{"IgnoreUnknown=1", "K8S_POD_NAMESPACE=" + sb.Namespace,
-				"K8S_POD_NAME=" + sb.Name, "K8S_POD_INFRA_CONTAINER_ID=" + sb.ID, "K8S_POD_UID=" + sb.UID}, ";")}
+				"K8S_POD_NAME=" + sb.Name, "K8S_POD_INFRA_CONTAINER_ID=" + sb.ID, "K8S_POD_UID=" + sb.UID,
+				cniconf.AdoptionArg + "=true"}, ";")}
 	}
 	// The plugin is not killed halfway when the sweeper stops (it would
 	// leave what a killed ADD leaves, which the next ADD repairs, but
@@ -218,19 +260,32 @@ func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) error {
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pluginTimeout)
 	defer cancel()
 	if _, err := invoke.ExecPluginWithResult(pctx, bin, stdin, args("ADD"), nil); err != nil {
-		return err
+		var cniErr *types.Error
+		if errors.As(err, &cniErr) && cniErr.Code == cniconf.ErrCodeDeleted {
+			return goneBeforeAdd, nil
+		}
+		return "", err
 	}
 	rctx, rcancel := context.WithTimeout(ctx, criTimeout)
 	defer rcancel()
 	ready, err := o.Runtime.Ready(rctx, sb.ID)
-	if err != nil || ready {
+	switch {
+	case errors.Is(err, ErrUnknownSandbox):
+		gone = goneUnknown
+	case err != nil || ready:
 		// A runtime that does not answer now is no reason to take a live
-		// pod's hooks off: if it was deleted, its DEL or the orphan
-		// sweep removes the member.
-		return nil
+		// pod's hooks off: if it was deleted, its DEL, the sweeper's
+		// reaction to the veth's removal or the orphan sweep removes
+		// the member.
+		return "", nil
+	default:
+		gone = goneNotReady
 	}
 	// Deleted while it was adopted: take it off again (the runtime's own
-	// DEL may have run before the ADD held the identifier's lock).
-	delErr := invoke.ExecPluginWithoutResult(pctx, bin, stdin, args("DEL"), nil)
-	return errors.Join(errors.New("the sandbox stopped being ready while it was adopted: removed again"), delErr)
+	// DEL may have run before the ADD held the identifier's lock, and
+	// after its tombstone had been looked for).
+	if err := invoke.ExecPluginWithoutResult(pctx, bin, stdin, args("DEL"), nil); err != nil {
+		return "", fmt.Errorf("the sandbox %s, and its DEL failed: %w", gone, err)
+	}
+	return gone, nil
 }

@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
@@ -30,12 +32,17 @@ type Sandbox struct {
 	Created   time.Time // zero if the runtime does not say
 }
 
+// ErrUnknownSandbox is wrapped by Runtime.Ready when the runtime does not
+// know the sandbox: it was removed, so its pod is deleted.
+var ErrUnknownSandbox = errors.New("the runtime does not know the sandbox")
+
 // Runtime is what adoption asks the container runtime.
 type Runtime interface {
 	// Sandboxes lists the ready sandboxes that have a network namespace
 	// of their own (host-network pods are left out).
 	Sandboxes(ctx context.Context) ([]Sandbox, error)
-	// Ready says whether the sandbox with id is still ready.
+	// Ready says whether the sandbox with id is still ready; an error
+	// wrapping ErrUnknownSandbox when the runtime does not know it.
 	Ready(ctx context.Context, id string) (bool, error)
 }
 
@@ -73,6 +80,9 @@ func (c *CRI) Sandboxes(ctx context.Context) ([]Sandbox, error) {
 	var errs []error
 	for _, s := range list.Items {
 		sb, ok, err := c.status(ctx, s.Id)
+		if status.Code(errors.Unwrap(err)) == codes.NotFound {
+			continue // removed since the list: a deleted pod
+		}
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -117,6 +127,9 @@ func (c *CRI) status(ctx context.Context, id string) (Sandbox, bool, error) {
 // Ready implements Runtime.
 func (c *CRI) Ready(ctx context.Context, id string) (bool, error) {
 	st, err := c.rs.PodSandboxStatus(ctx, &runtimeapi.PodSandboxStatusRequest{PodSandboxId: id})
+	if status.Code(err) == codes.NotFound {
+		return false, fmt.Errorf("sandbox %s: %w: %w", id, ErrUnknownSandbox, err)
+	}
 	if err != nil {
 		return false, fmt.Errorf("sandbox %s: %w", id, err)
 	}

@@ -20,6 +20,18 @@ import (
 // PluginType is podfence's "type" in a conflist.
 const PluginType = "podfence"
 
+// What an adoption (package adopt) and the plugin it runs say to each
+// other beyond the CNI spec.
+const (
+	// AdoptionArg, set to "true" in CNI_ARGS, marks an ADD that adoption
+	// runs for a sandbox the runtime reported ready, not the runtime's own.
+	AdoptionArg = "PODFENCE_ADOPTION"
+	// ErrCodeDeleted is the CNI error code of an adoption's ADD refused
+	// because the container's DEL has run (package membership's
+	// tombstones): the pod is going, and nothing was added for it.
+	ErrCodeDeleted uint = 105
+)
+
 // ErrMalformed is wrapped when a conflist is not a JSON object with a
 // "plugins" array of objects that each have a string "type".
 var ErrMalformed = errors.New("malformed CNI conflist")

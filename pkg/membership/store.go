@@ -58,9 +58,10 @@ func (s *Store) Identifiers() ([]podid.ID, error) {
 // Lock is an exclusive hold on one identifier: its pins and members change
 // only under it, across processes (flock on the identifier's directory).
 type Lock struct {
-	ID  podid.ID
-	dir string
-	f   *os.File
+	ID   podid.ID
+	root string // the pin root
+	dir  string
+	f    *os.File
 }
 
 // Lock takes the lock of an identifier that exists, waiting for another
@@ -108,7 +109,7 @@ func (s *Store) lock(id podid.ID, create bool) (*Lock, error) {
 			return nil, fmt.Errorf("lock identifier %q: %w", id, err)
 		}
 		if same {
-			return &Lock{ID: id, dir: dir, f: f}, nil
+			return &Lock{ID: id, root: s.root, dir: dir, f: f}, nil
 		}
 		f.Close() // the directory was removed (and maybe recreated) meanwhile
 	}

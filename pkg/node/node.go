@@ -19,6 +19,7 @@ package node
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
@@ -84,6 +85,19 @@ func (n *Node) LockOrCreate(id podid.ID) (*Identifier, error) {
 // interface, or membership.ErrNotMember.
 func (n *Node) FindContainer(containerID, ifname string) (podid.ID, error) {
 	return n.store.FindContainer(containerID, ifname)
+}
+
+// PutTombstone records that the DEL of a member key ran, before the DEL
+// takes its identifier's lock (see package membership).
+func (n *Node) PutTombstone(key string, now time.Time) error {
+	return wrap(ErrState, n.store.PutTombstone(key, now))
+}
+
+// ExpireTombstones removes the tombstones older than
+// membership.TombstoneTTL, and returns how many it removed.
+func (n *Node) ExpireTombstones(now time.Time) (int, error) {
+	k, err := n.store.ExpireTombstones(now.Add(-membership.TombstoneTTL))
+	return k, wrap(ErrState, err)
 }
 
 // Peek reads id's state, counters and programs without its lock, for

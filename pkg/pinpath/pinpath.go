@@ -10,6 +10,7 @@
 //	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
 //	<root>/ids/<identifier>/members/<key>/link_*  the member's pinned TCX links
 //	<root>/status/verified-<hash>                 STATUS's cache: this build loads on this kernel
+//	<root>/deleted/<key>                          a DEL's tombstone of a member key (see package membership)
 //
 // bpffs refuses names with a '.', so every name here, and every identifier
 // and member key placed in a path, has none.
@@ -34,6 +35,10 @@ const (
 	// StatusDir holds one empty directory per datapath build and kernel
 	// that STATUS has verified (bpffs holds no regular files).
 	StatusDir = "status"
+	// TombstonesDir holds one record per container interface a DEL saw
+	// (package membership): an adoption's ADD that raced the DEL finds it
+	// and adds nothing.
+	TombstonesDir = "deleted"
 	// Layout is a symlink in the global directory and in each
 	// identifier's whose target records the layout version of the maps
 	// there and, in an identifier's, the datapath object whose programs
@@ -117,6 +122,9 @@ func (r Root) Status() string { return filepath.Join(string(r), StatusDir) }
 
 // TCXProbe is the record of the TCX probe's answer.
 func (r Root) TCXProbe() string { return filepath.Join(string(r), StatusDir, TCXProbe) }
+
+// Tombstones is the directory of the DELs' tombstones.
+func (r Root) Tombstones() string { return filepath.Join(string(r), TombstonesDir) }
 
 // PolicyError is the record of an invalid policy directory.
 func (r Root) PolicyError() string { return filepath.Join(string(r), PolicyError) }

@@ -3,15 +3,20 @@ package main
 import (
 	"fmt"
 	"strings"
+
+	"github.com/podfence/podfence/pkg/cniconf"
 )
 
 type k8sArgs struct {
 	name, namespace string
+	// adoption: the ADD is an adoption's (cniconf.AdoptionArg), which a
+	// DEL that ran already refuses.
+	adoption bool
 }
 
-// parseK8sArgs reads K8S_POD_NAME and K8S_POD_NAMESPACE from CNI_ARGS
-// ("K=V;K=V"). Other keys are ignored, as every Kubernetes runtime passes
-// more than these.
+// parseK8sArgs reads K8S_POD_NAME, K8S_POD_NAMESPACE and podfence's
+// cniconf.AdoptionArg from CNI_ARGS ("K=V;K=V"). Other keys are ignored,
+// as every Kubernetes runtime passes more than these.
 func parseK8sArgs(cniArgs string) (k8sArgs, error) {
 	var a k8sArgs
 	if cniArgs == "" {
@@ -27,6 +32,8 @@ func parseK8sArgs(cniArgs string) (k8sArgs, error) {
 			a.name = v
 		case "K8S_POD_NAMESPACE":
 			a.namespace = v
+		case cniconf.AdoptionArg:
+			a.adoption = v == "true"
 		}
 	}
 	return a, nil

@@ -37,8 +37,24 @@ func TestParseK8sArgs(t *testing.T) {
 			t.Errorf("parseK8sArgs(%q): %v", c.in, err)
 			continue
 		}
-		if got.name != c.name || got.namespace != c.namespace {
-			t.Errorf("parseK8sArgs(%q) = %q/%q, want %q/%q", c.in, got.namespace, got.name, c.namespace, c.name)
+		if got.name != c.name || got.namespace != c.namespace || got.adoption {
+			t.Errorf("parseK8sArgs(%q) = %q/%q adoption %v, want %q/%q", c.in, got.namespace, got.name, got.adoption, c.namespace, c.name)
+		}
+	}
+}
+
+// TestParseAdoptionArg: only "true" marks an adoption's ADD.
+func TestParseAdoptionArg(t *testing.T) {
+	for in, want := range map[string]bool{
+		"IgnoreUnknown=1;K8S_POD_NAME=a;PODFENCE_ADOPTION=true": true,
+		"PODFENCE_ADOPTION=false":                               false,
+		"PODFENCE_ADOPTION=":                                    false,
+		"PODFENCE_ADOPTION=1":                                   false,
+		"podfence_adoption=true":                                false,
+	} {
+		got, err := parseK8sArgs(in)
+		if err != nil || got.adoption != want {
+			t.Errorf("parseK8sArgs(%q): adoption %v, %v; want %v", in, got.adoption, err, want)
 		}
 	}
 }
@@ -69,7 +85,7 @@ func TestIdentify(t *testing.T) {
 		{"", "0123abcdef", "_ctr@0123abcdef"},
 		{"IgnoreUnknown=1", "ctr-1", "_ctr@ctr-1"},
 	} {
-		got, err := identify(&skel.CmdArgs{ContainerID: c.container, Args: c.args})
+		got, _, err := identify(&skel.CmdArgs{ContainerID: c.container, Args: c.args})
 		if err != nil || got != c.want {
 			t.Errorf("identify(%q, %q) = %q, %v; want %q", c.args, c.container, got, err, c.want)
 		}
@@ -94,14 +110,14 @@ var hostileArgs = []struct{ name, args, msg string }{
 func TestIdentifyRejects(t *testing.T) {
 	for _, c := range hostileArgs {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := identify(&skel.CmdArgs{ContainerID: "c1", Args: c.args})
+			_, _, err := identify(&skel.CmdArgs{ContainerID: "c1", Args: c.args})
 			assertCNIError(t, err, types.ErrInvalidEnvironmentVariables, c.msg)
 		})
 	}
 	// Without Kubernetes arguments the container ID names the identifier;
 	// one that cannot be a path element is refused too.
 	for _, id := range []string{"", "../x", "a/b", strings.Repeat("c", 254)} {
-		_, err := identify(&skel.CmdArgs{ContainerID: id})
+		_, _, err := identify(&skel.CmdArgs{ContainerID: id})
 		assertCNIError(t, err, types.ErrInvalidEnvironmentVariables, "container id")
 	}
 }

@@ -44,7 +44,7 @@ func FuzzIdentify(f *testing.F) {
 	f.Add("", "0123456789abcdef")
 	f.Add("K8S_POD_NAME=a=b;;", "")
 	f.Fuzz(func(t *testing.T, cniArgs, containerID string) {
-		id, err := identify(&skel.CmdArgs{Args: cniArgs, ContainerID: containerID})
+		id, _, err := identify(&skel.CmdArgs{Args: cniArgs, ContainerID: containerID})
 		if err != nil {
 			var cniErr *types.Error
 			if !errors.As(err, &cniErr) || cniErr.Code != types.ErrInvalidEnvironmentVariables {

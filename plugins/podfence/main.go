@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/containernetworking/cni/pkg/skel"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
@@ -51,7 +53,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "ADD", args)
 	defer func() { call.finish(err) }()
 
-	id, err := identify(args)
+	id, k8s, err := identify(args)
 	if err != nil {
 		return err
 	}
@@ -94,6 +96,12 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	defer lock.Unlock()
 	call.mark("lock")
+	if err := settleTombstone(lock, membership.Key(args.ContainerID, args.IfName), k8s.adoption); err != nil {
+		if _, cerr := lock.RemoveIfUnused(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		return err
+	}
 	// Read again under the lock: ADDs of one identifier apply the policy in
 	// the order they hold it, so an older reading never overwrites a newer.
 	set, err := readPolicy(conf, id)
@@ -134,6 +142,26 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		}
 	}
 	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
+}
+
+// settleTombstone, under the identifier's lock, refuses an adoption's ADD
+// of a container whose DEL has run, and clears the tombstone of one the
+// runtime adds itself (see package membership).
+func settleTombstone(lock *node.Identifier, key string, adoption bool) error {
+	if !adoption {
+		if err := lock.RemoveTombstone(key); err != nil {
+			return types.NewError(errState, err.Error(), "")
+		}
+		return nil
+	}
+	deleted, err := lock.HasTombstone(key)
+	if err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
+	if deleted {
+		return types.NewError(cniconf.ErrCodeDeleted, fmt.Sprintf("not adopted: the runtime's DEL of %s ran already (the pod is being deleted)", key), "")
+	}
+	return nil
 }
 
 // add does ADD's work under the identifier's lock. Its order is what makes
@@ -249,10 +277,15 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 
 	pins := node.New(conf.PinRoot)
 	key := membership.Key(args.ContainerID, args.IfName)
+	// Before the lock: an adoption's ADD that lists the pod before this
+	// DEL and adds it after then finds the tombstone (package membership).
+	if err := pins.PutTombstone(key, time.Now()); err != nil {
+		return types.NewError(errState, err.Error(), "")
+	}
 	// DEL comes in shapes ADD never sees (no netns, no prevResult, after a
 	// failed ADD, twice): it works from the record alone, and finds the
 	// identifier by search when the arguments do not name it.
-	id, idErr := identify(args)
+	id, _, idErr := identify(args)
 	lock, err := pins.Lock(id)
 	if idErr != nil || errors.Is(err, membership.ErrNoIdentifier) {
 		found, ferr := pins.FindContainer(args.ContainerID, args.IfName)
@@ -321,7 +354,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "CHECK", args)
 	defer func() { call.finish(err) }()
 
-	id, err := identify(args)
+	id, _, err := identify(args)
 	if err != nil {
 		return err
 	}
@@ -447,11 +480,12 @@ func cmdStatus(args *skel.CmdArgs) (err error) {
 
 // identify derives the pod identifier from K8S_POD_NAME and
 // K8S_POD_NAMESPACE, or from the container ID when the runtime passes no
-// Kubernetes arguments. Invalid names are CNI error 4.
-func identify(args *skel.CmdArgs) (podid.ID, error) {
+// Kubernetes arguments, and returns the arguments it read. Invalid names
+// are CNI error 4.
+func identify(args *skel.CmdArgs) (podid.ID, k8sArgs, error) {
 	k8s, err := parseK8sArgs(args.Args)
 	if err != nil {
-		return "", types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
+		return "", k8s, types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
 	}
 	var id podid.ID
 	if k8s.name != "" || k8s.namespace != "" {
@@ -460,7 +494,7 @@ func identify(args *skel.CmdArgs) (podid.ID, error) {
 		id, err = podid.FromContainerID(args.ContainerID)
 	}
 	if err != nil {
-		return "", types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
+		return "", k8s, types.NewError(types.ErrInvalidEnvironmentVariables, err.Error(), "")
 	}
-	return id, nil
+	return id, k8s, nil
 }

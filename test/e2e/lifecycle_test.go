@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -28,6 +29,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
@@ -283,14 +285,35 @@ func lcRequireGone(t *testing.T, c *cluster, p *pod) {
 	}
 }
 
-// lcTree lists every path below root, relative to it, sorted.
+// lcTree lists every path below root, relative to it, sorted, but for
+// the DELs' tombstones (lcTombstones), which every DEL leaves.
 func lcTree(t *testing.T, root string) []string {
 	t.Helper()
-	out, err := walkTree(root)
+	all, err := walkTree(root)
 	if err != nil {
 		t.Fatal(err)
 	}
+	var out []string
+	for _, p := range all {
+		if p != pinpath.TombstonesDir && !strings.HasPrefix(p, pinpath.TombstonesDir+"/") {
+			out = append(out, p)
+		}
+	}
 	return out
+}
+
+// lcTombstones are the keys of the DELs' tombstones below root.
+func lcTombstones(t *testing.T, root string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(pinpath.Root(root).Tombstones())
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, e := range entries {
+		keys = append(keys, e.Name())
+	}
+	return keys
 }
 
 // lcLinkPins are the TCX link pins below root.
@@ -419,6 +442,14 @@ func TestDelRepeatedAndUnknown(t *testing.T) {
 			if after := lcTree(t, c.pinRoot); !slices.Equal(before, after) {
 				t.Errorf("DEL of unknown containers changed the pin root:\nbefore %v\nafter  %v", before, after)
 			}
+			// But each left its tombstone, for an adoption that raced it.
+			tombs := lcTombstones(t, c.pinRoot)
+			for _, key := range []string{membership.Key("never-added-1", "eth0"), membership.Key("never-added-2", "eth0"),
+				membership.Key("never-added-3", "eth0"), membership.Key(a.containerID, "eth1")} {
+				if !slices.Contains(tombs, key) {
+					t.Errorf("no tombstone of %s: %v", key, tombs)
+				}
+			}
 			lcRequireEnforced(t, c, a)
 			lcRequireEnforced(t, c, b)
 
@@ -443,6 +474,50 @@ func TestDelRepeatedAndUnknown(t *testing.T) {
 				t.Errorf("identifiers left: %v", ids)
 			}
 		})
+	}
+}
+
+// TestAdoptionAddAfterDel: an adoption's ADD (marked with
+// cniconf.AdoptionArg) of a container whose DEL has run is refused with
+// code 105 and adds nothing, while the veth is still there (the DEL that
+// raced it was podfence's, before the primary plugin's); the runtime's own
+// ADD of it is not refused, and clears the tombstone.
+func TestAdoptionAddAfterDel(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	p := c.addPod(webReplicas[0], "default")
+	other := c.addPod(webReplicas[1], "default")
+	prev := lcPrevResult(t, c, c.list, p)
+	del := p.lcCall(c, "DEL")
+	del.conf = withPrev(lcConf(c, "1.0.0"), prev)
+	if _, err := lcExec(t, c, del); err != nil {
+		t.Fatalf("podfence's DEL: %v", err)
+	}
+	lcRequireGone(t, c, p)
+	key := membership.Key(p.containerID, "eth0")
+	if !slices.Contains(lcTombstones(t, c.pinRoot), key) {
+		t.Fatalf("the DEL left no tombstone: %v", lcTombstones(t, c.pinRoot))
+	}
+	before := lcTree(t, c.pinRoot)
+
+	adopt := p.lcCall(c, "ADD")
+	adopt.args += ";" + cniconf.AdoptionArg + "=true"
+	adopt.conf = withPrev(lcConf(c, "1.0.0"), prev)
+	_, err := lcExec(t, c, adopt)
+	lcWantCNIError(t, err, cniconf.ErrCodeDeleted, "not adopted", key)
+	if after := lcTree(t, c.pinRoot); !slices.Equal(before, after) {
+		t.Errorf("the refused ADD changed the pin root:\nbefore %v\nafter  %v", before, after)
+	}
+	lcRequireGone(t, c, p)
+	lcRequireEnforced(t, c, other)
+
+	add := p.lcCall(c, "ADD")
+	add.conf = withPrev(lcConf(c, "1.0.0"), prev)
+	if _, err := lcExec(t, c, add); err != nil {
+		t.Fatalf("the runtime's ADD after the tombstone: %v", err)
+	}
+	lcRequireEnforced(t, c, p)
+	if slices.Contains(lcTombstones(t, c.pinRoot), key) {
+		t.Errorf("the runtime's ADD kept the tombstone")
 	}
 }
 
