@@ -103,14 +103,17 @@ func (a *adopter) pass(ctx context.Context, why string) {
 			a.openFor.Observe(p.OpenFor.Seconds())
 		}
 	}
+	for _, g := range r.Gone {
+		a.log.Info("not adopted: the runtime deleted the pod meanwhile", "pod", g.Pod, "sandbox", g.Sandbox, "how", g.How, "why", why)
+	}
 	for _, e := range r.Failed {
 		a.log.Warn("adoption failed; tried again at the next pass", "error", e)
 	}
 	a.adopted.Add(float64(len(r.Adopted)))
 	a.failures.Add(float64(len(r.Failed)))
-	if len(r.Adopted) > 0 || len(r.Failed) > 0 {
+	if len(r.Adopted) > 0 || len(r.Failed) > 0 || len(r.Gone) > 0 || r.Deferred > 0 {
 		a.log.Info("adoption pass", "why", why, "sandboxes", r.Sandboxes, "fenced_already", r.Fenced,
-			"adopted", len(r.Adopted), "failed", len(r.Failed), "flows_seeded_allowed", r.Seeded.Allowed,
+			"adopted", len(r.Adopted), "gone", len(r.Gone), "deferred", r.Deferred, "failed", len(r.Failed), "flows_seeded_allowed", r.Seeded.Allowed,
 			"flows_seeded_denied", r.Seeded.Denied, "duration_ms", time.Since(start).Milliseconds())
 	}
 }
@@ -146,10 +149,13 @@ func cmdAdopt(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	v := adoptView{Sandboxes: r.Sandboxes, Fenced: r.Fenced, Adopted: []adoptedView{}, Failed: []string{},
+	v := adoptView{Sandboxes: r.Sandboxes, Fenced: r.Fenced, Adopted: []adoptedView{}, Gone: []goneView{}, Deferred: r.Deferred, Failed: []string{},
 		SeededAllowed: r.Seeded.Allowed, SeededDenied: r.Seeded.Denied, DurationMS: time.Since(start).Milliseconds()}
 	for _, a := range r.Adopted {
 		v.Adopted = append(v.Adopted, adoptedView{Pod: a.Pod, Sandbox: a.Sandbox, UnfencedSeconds: a.OpenFor.Seconds()})
+	}
+	for _, g := range r.Gone {
+		v.Gone = append(v.Gone, goneView{Pod: g.Pod, Sandbox: g.Sandbox, How: g.How})
 	}
 	for _, e := range r.Failed {
 		v.Failed = append(v.Failed, e.Error())
@@ -161,10 +167,13 @@ func cmdAdopt(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	} else {
-		fmt.Fprintf(stdout, "%d ready sandboxes: %d fenced already, %d adopted, %d failed (%d ms); flows seeded: %d allowed, %d denied\n",
-			v.Sandboxes, v.Fenced, len(v.Adopted), len(v.Failed), v.DurationMS, v.SeededAllowed, v.SeededDenied)
+		fmt.Fprintf(stdout, "%d ready sandboxes: %d fenced already, %d adopted, %d deleted meanwhile, %d left for the next pass, %d failed (%d ms); flows seeded: %d allowed, %d denied\n",
+			v.Sandboxes, v.Fenced, len(v.Adopted), len(v.Gone), v.Deferred, len(v.Failed), v.DurationMS, v.SeededAllowed, v.SeededDenied)
 		for _, a := range v.Adopted {
 			fmt.Fprintf(stdout, "adopted %s (sandbox %.12s), unfenced for %.1f s\n", a.Pod, a.Sandbox, a.UnfencedSeconds)
+		}
+		for _, g := range v.Gone {
+			fmt.Fprintf(stdout, "deleted meanwhile: %s (sandbox %.12s): %s\n", g.Pod, g.Sandbox, g.How)
 		}
 		for _, e := range v.Failed {
 			fmt.Fprintf(stdout, "failed: %s\n", e)
@@ -180,6 +189,8 @@ type adoptView struct {
 	Sandboxes     int           `json:"sandboxes"`
 	Fenced        int           `json:"fenced_already"`
 	Adopted       []adoptedView `json:"adopted"`
+	Gone          []goneView    `json:"deleted_meanwhile"`
+	Deferred      int           `json:"left_for_next_pass"`
 	Failed        []string      `json:"failed"`
 	SeededAllowed int           `json:"flows_seeded_allowed"`
 	SeededDenied  int           `json:"flows_seeded_denied"`
@@ -190,4 +201,10 @@ type adoptedView struct {
 	Pod             string  `json:"pod"`
 	Sandbox         string  `json:"sandbox"`
 	UnfencedSeconds float64 `json:"unfenced_seconds"`
+}
+
+type goneView struct {
+	Pod     string `json:"pod"`
+	Sandbox string `json:"sandbox"`
+	How     string `json:"how"`
 }
