@@ -237,6 +237,31 @@ func (r *runner) loop(ctx context.Context) error {
 	}()
 	defer ev.Close() // before wg.Wait: unblocks Follow
 
+	// A member whose veth the kernel deletes goes at once: its pod is
+	// gone, whatever its DEL did (an adoption that raced it, a runtime
+	// that never called it). The passes' orphan collection remains for
+	// deletions this misses.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		subscriptions := 0
+		err := sweep.FollowLinkRemovals(ctx.Done(), func(links sweep.Removed) {
+			if links == nil {
+				if subscriptions++; subscriptions > 1 {
+					r.log.Warn("link removal events lost: looking at every member's veth")
+				}
+			}
+			orphans, err := r.s.RemoveVethless(links)
+			r.m.orphans.Add(float64(len(orphans)))
+			if err != nil {
+				r.log.Error("remove the members of deleted veths; the next pass tries again", "error", err)
+			}
+		})
+		if err != nil {
+			r.log.Error("cannot follow link removals: members of deleted veths go at the passes' orphan collection", "error", err)
+		}
+	}()
+
 	if r.chain != nil {
 		wg.Add(1)
 		go func() {

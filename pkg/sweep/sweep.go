@@ -81,6 +81,9 @@ type Sweeper struct {
 	lastFlows int // kernel flows the last pass read
 	// missingSince is when a member's veth was first seen gone.
 	missingSince map[string]time.Time
+	// vethOwners is, as the last pass read the members, the identifier of
+	// each live member's host veth (RemoveVethless starts there).
+	vethOwners map[uint32]podid.ID
 	// owners maps a pod address to the host veths of the members that
 	// have it (the event path finds an entry's ifindex through it).
 	ownersMu   sync.Mutex
@@ -252,6 +255,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 	now := time.Now()
 	seen := map[string]bool{}
 	owners := map[netip.Addr][]uint32{}
+	vethOwners := map[uint32]podid.ID{}
 	unreadable := false
 	var orphans []Orphan
 	var errs []error
@@ -279,6 +283,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			if present {
 				delete(s.missingSince, mk)
 				live.ifindex[uint32(m.HostIfindex)] = true
+				vethOwners[uint32(m.HostIfindex)] = id
 				for _, p := range m.IPs {
 					owners[p.Addr()] = append(owners[p.Addr()], uint32(m.HostIfindex))
 				}
@@ -292,12 +297,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			return now.Sub(since) >= s.opts.OrphanGrace
 		}
 		c, err := s.node.Collect(id, stale)
-		for _, m := range c.Members {
-			orphans = append(orphans, Orphan{ID: id, Member: m, Identifier: c.Identifier})
-			delete(s.missingSince, string(id)+"/"+m.Key())
-			s.opts.Log.Info("removed an orphaned member: its veth is gone", "identifier", id,
-				"container", m.ContainerID, "veth", m.HostVeth, "ifindex", m.HostIfindex, "identifier_removed", c.Identifier)
-		}
+		orphans = append(orphans, s.logRemoved(id, c, "its veth is gone")...)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 		}
@@ -306,6 +306,12 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 		if !seen[mk] {
 			delete(s.missingSince, mk) // removed by its DEL meanwhile
 		}
+	}
+	s.vethOwners = vethOwners
+	if n, err := s.node.ExpireTombstones(now); err != nil {
+		errs = append(errs, err)
+	} else if n > 0 {
+		s.opts.Log.Debug("removed DELs' tombstones past their time", "count", n)
 	}
 	s.ownersMu.Lock()
 	s.owners, s.ownersRead = owners, now

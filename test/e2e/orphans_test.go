@@ -156,3 +156,21 @@ func TestRunZeroGraces(t *testing.T) {
 		t.Errorf("the orphan's record after the first pass: %v, want it gone", err)
 	}
 }
+
+// TestRunRemovesMemberOfDeletedVeth: run removes a member as soon as the
+// kernel deletes its host veth (RTM_DELLINK), without waiting for a pass
+// or the orphan grace, and leaves the members of veths that stay.
+func TestRunRemovesMemberOfDeletedVeth(t *testing.T) {
+	c := lcCluster(t, attachModes(t)[0])
+	live := c.addPod(webReplicas[0], "default")
+	gone, destroy := lcAddPodOwnNS(t, c, webReplicas[1])
+	_, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--orphan-grace", "1h")
+	logs.waitFor(t, "serving metrics", 5*time.Second)
+	destroy()
+	logs.waitFor(t, "removed an orphaned member: its veth was deleted", 5*time.Second)
+	if _, err := membership.New(c.pinRoot).FindContainer(gone.containerID, "eth0"); !errors.Is(err, membership.ErrNotMember) {
+		t.Errorf("the member of the deleted veth: %v, want it gone", err)
+	}
+	lcRequireGone(t, c, gone)
+	lcRequireEnforced(t, c, live)
+}
