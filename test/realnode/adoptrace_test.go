@@ -10,8 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -38,19 +36,32 @@ func raceSweeper(t *testing.T) string {
 }
 
 // adoptLoop runs the race-built sweeper's adopt command on the node, one
-// pass after another, until stop is called; stop returns how many pods the
-// passes adopted. A data race the detector reports, or an exit that is
-// neither success nor "some sandboxes not adopted", fails the test.
+// pass after another, until stop is called; stop returns what the passes
+// did. A data race the detector reports, or an exit that is neither
+// success nor "some sandboxes not adopted", fails the test; every failure a
+// pass reports is logged.
 type adoptLoop struct {
-	stopc   chan struct{}
-	done    chan struct{}
-	mu      sync.Mutex
-	adopted int
-	passes  int
-	raced   int // adoptions whose sandbox stopped being ready meanwhile
+	stopc chan struct{}
+	done  chan struct{}
+	mu    sync.Mutex
+	adoptTotals
 }
 
-var adoptedLine = regexp.MustCompile(`(?m)^\d+ ready sandboxes: \d+ fenced already, (\d+) adopted`)
+// adoptTotals add up the passes' reports.
+type adoptTotals struct {
+	passes, adopted int
+	gone            int // pods the runtime deleted while a pass adopted them
+	failed          []string
+}
+
+// adoptJSON is what podfence-sweeper adopt --json prints.
+type adoptJSON struct {
+	Adopted []json.RawMessage `json:"adopted"`
+	Gone    []struct {
+		Pod, Sandbox, How string
+	} `json:"deleted_meanwhile"`
+	Failed []string `json:"failed"`
+}
 
 func startAdoptLoop(t *testing.T, n *node.Node, bin string) *adoptLoop {
 	l := &adoptLoop{stopc: make(chan struct{}), done: make(chan struct{})}
@@ -62,36 +73,44 @@ func startAdoptLoop(t *testing.T, n *node.Node, bin string) *adoptLoop {
 				return
 			default:
 			}
-			var out bytes.Buffer
-			cmd := n.Exec(bin, "adopt")
-			cmd.Stdout, cmd.Stderr = &out, &out
+			var out, errOut bytes.Buffer
+			cmd := n.Exec(bin, "adopt", "--json")
+			cmd.Stdout, cmd.Stderr = &out, &errOut
 			err := cmd.Run()
 			var exit *exec.ExitError
 			switch {
-			case bytes.Contains(out.Bytes(), []byte("WARNING: DATA RACE")):
-				t.Errorf("the race detector in an adoption pass:\n%s", out.Bytes())
-			case err != nil && !(errors.As(err, &exit) && exit.ExitCode() == 1 && bytes.Contains(out.Bytes(), []byte("sandboxes not adopted"))):
-				t.Errorf("adopt: %v:\n%s", err, out.Bytes())
+			case bytes.Contains(errOut.Bytes(), []byte("WARNING: DATA RACE")):
+				t.Errorf("the race detector in an adoption pass:\n%s", errOut.Bytes())
+			case err != nil && !(errors.As(err, &exit) && exit.ExitCode() == 1 && bytes.Contains(errOut.Bytes(), []byte("sandboxes not adopted"))):
+				t.Errorf("adopt: %v:\n%s%s", err, out.Bytes(), errOut.Bytes())
+			}
+			var r adoptJSON
+			if jerr := json.Unmarshal(out.Bytes(), &r); jerr != nil && err == nil {
+				t.Errorf("adopt --json: %v:\n%s", jerr, out.Bytes())
+			}
+			for _, g := range r.Gone {
+				t.Logf("adoption pass: %s (sandbox %.12s) deleted meanwhile: %s", g.Pod, g.Sandbox, g.How)
+			}
+			for _, f := range r.Failed {
+				t.Logf("adoption pass: failed: %s", f)
 			}
 			l.mu.Lock()
 			l.passes++
-			l.raced += bytes.Count(out.Bytes(), []byte("stopped being ready while it was adopted"))
-			if m := adoptedLine.FindSubmatch(out.Bytes()); m != nil {
-				k, _ := strconv.Atoi(string(m[1]))
-				l.adopted += k
-			}
+			l.adopted += len(r.Adopted)
+			l.gone += len(r.Gone)
+			l.failed = append(l.failed, r.Failed...)
 			l.mu.Unlock()
 		}
 	}()
 	return l
 }
 
-func (l *adoptLoop) stop() (adopted, passes, raced int) {
+func (l *adoptLoop) stop() adoptTotals {
 	close(l.stopc)
 	<-l.done
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.adopted, l.passes, l.raced
+	return l.adoptTotals
 }
 
 // memberView is what podfence-sweeper ls --json says of a member.
@@ -208,10 +227,10 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 		loop := startAdoptLoop(t, n, bin)
 		scale(t, cs, ns, "race", 0)
 		scale(t, cs, ns, "race", pods)
-		adopted, passes, raced := loop.stop()
-		t.Logf("round %d: %d passes adopted %d pods; %d adoptions met the pod's DEL and were undone", round, passes, adopted, raced)
-		adoptedTotal += adopted
-		passesTotal += passes
+		r := loop.stop()
+		t.Logf("round %d: %d passes adopted %d pods; %d adoptions met the pod's DEL (refused or undone); %d failures", round, r.passes, r.adopted, r.gone, len(r.failed))
+		adoptedTotal += r.adopted
+		passesTotal += r.passes
 		if round < rounds-1 {
 			scale(t, cs, ns, "race", 0)
 		}
