@@ -213,6 +213,7 @@ func pluginConf(conflist []byte) (plugin, error) {
 // How adoptOne saw a pod the runtime deleted meanwhile.
 const (
 	goneBeforeAdd = "its DEL ran before the ADD: nothing added"
+	goneTornDown  = "torn down before the ADD could fence it: nothing added"
 	goneNotReady  = "stopped being ready once added: taken off again"
 	goneUnknown   = "the runtime no longer knows it once added: taken off again"
 )
@@ -259,15 +260,20 @@ func adoptOne(ctx context.Context, o Options, p plugin, sb Sandbox) (gone string
 	// there is no need): only a hung one is.
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pluginTimeout)
 	defer cancel()
+	rctx, rcancel := context.WithTimeout(ctx, criTimeout)
+	defer rcancel()
 	if _, err := invoke.ExecPluginWithResult(pctx, bin, stdin, args("ADD"), nil); err != nil {
 		var cniErr *types.Error
 		if errors.As(err, &cniErr) && cniErr.Code == cniconf.ErrCodeDeleted {
 			return goneBeforeAdd, nil
 		}
+		// A pod torn down meanwhile fails the ADD too (its network
+		// namespace or veth is gone), which left nothing: no failure.
+		if ready, rerr := o.Runtime.Ready(rctx, sb.ID); errors.Is(rerr, ErrUnknownSandbox) || (rerr == nil && !ready) {
+			return goneTornDown, nil
+		}
 		return "", err
 	}
-	rctx, rcancel := context.WithTimeout(ctx, criTimeout)
-	defer rcancel()
 	ready, err := o.Runtime.Ready(rctx, sb.ID)
 	switch {
 	case errors.Is(err, ErrUnknownSandbox):

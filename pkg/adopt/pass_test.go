@@ -2,6 +2,7 @@ package adopt
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -67,16 +68,16 @@ func serveRuntime(t *testing.T, f *fakeRuntime) *CRI {
 }
 
 // scriptPlugin installs a podfence "plugin" that appends its command and
-// CNI_ARGS to a log and exits with code 105 on ADD when refuse is set, as
-// the plugin does when a DEL's tombstone is there; it returns the bin
-// directory and the log.
-func scriptPlugin(t *testing.T, refuse bool) (binDir, log string) {
+// CNI_ARGS to a log and answers ADD with addErr, a CNI error code (105:
+// the plugin found a DEL's tombstone; 7: the pod's veth is gone, say), or
+// success for 0; it returns the bin directory and the log.
+func scriptPlugin(t *testing.T, addErr int) (binDir, log string) {
 	t.Helper()
 	binDir = t.TempDir()
 	log = filepath.Join(binDir, "calls")
 	add := `echo '{"cniVersion": "1.0.0"}'`
-	if refuse {
-		add = `echo '{"cniVersion": "1.0.0", "code": 105, "msg": "not adopted: DEL ran"}'; exit 1`
+	if addErr != 0 {
+		add = fmt.Sprintf(`echo '{"cniVersion": "1.0.0", "code": %d, "msg": "refused"}'; exit 1`, addErr)
 	}
 	script := "#!/bin/sh\necho \"$CNI_COMMAND $CNI_ARGS\" >> " + log + "\n" +
 		"cat >/dev/null\n" +
@@ -90,34 +91,39 @@ func scriptPlugin(t *testing.T, refuse bool) (binDir, log string) {
 // TestPassRacesDeletion: a pass's ADD of a pod the runtime deletes
 // meanwhile leaves no member. The runtime removing the sandbox (NotFound)
 // or stopping it gets the ADD undone by a DEL; a DEL that ran first has
-// the plugin refuse the ADD, which is no failure; a runtime that does not
-// answer keeps the pod's hooks.
+// the plugin refuse the ADD, which is no failure, nor is an ADD that fails
+// because the pod was torn down (it does fail on a pod that is still
+// ready); a runtime that does not answer keeps the pod's hooks.
 func TestPassRacesDeletion(t *testing.T) {
+	notFound := status.Error(codes.NotFound, "an error occurred when try to find sandbox")
 	for _, tc := range []struct {
 		name    string
 		rt      fakeRuntime
-		refuse  bool
+		addErr  int      // the plugin's answer to ADD
 		calls   []string // the plugin's commands, in order
 		adopted int
 		gone    string
+		failed  bool
 	}{
-		{"still ready", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_READY}, false, []string{"ADD"}, 1, ""},
-		{"removed meanwhile", fakeRuntime{after: status.Error(codes.NotFound, "an error occurred when try to find sandbox")}, false, []string{"ADD", "DEL"}, 0, goneUnknown},
-		{"stopped meanwhile", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}, false, []string{"ADD", "DEL"}, 0, goneNotReady},
-		{"its DEL ran first", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}, true, []string{"ADD"}, 0, goneBeforeAdd},
-		{"runtime not answering", fakeRuntime{after: status.Error(codes.Unavailable, "connection refused")}, false, []string{"ADD"}, 1, ""},
+		{"still ready", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_READY}, 0, []string{"ADD"}, 1, "", false},
+		{"removed meanwhile", fakeRuntime{after: notFound}, 0, []string{"ADD", "DEL"}, 0, goneUnknown, false},
+		{"stopped meanwhile", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}, 0, []string{"ADD", "DEL"}, 0, goneNotReady, false},
+		{"its DEL ran first", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_NOTREADY}, 105, []string{"ADD"}, 0, goneBeforeAdd, false},
+		{"torn down, ADD failed", fakeRuntime{after: notFound}, 7, []string{"ADD"}, 0, goneTornDown, false},
+		{"ADD failed on a ready pod", fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_READY}, 7, []string{"ADD"}, 0, "", true},
+		{"runtime not answering", fakeRuntime{after: status.Error(codes.Unavailable, "connection refused")}, 0, []string{"ADD"}, 1, "", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cri := serveRuntime(t, &tc.rt)
-			binDir, log := scriptPlugin(t, tc.refuse)
+			binDir, log := scriptPlugin(t, tc.addErr)
 			list := `{"cniVersion": "1.0.0", "name": "aws-cni", "plugins": [{"type": "ptp"}, {"type": "podfence", "pinRoot": "` + t.TempDir() + `"}]}`
 			r, err := Pass(context.Background(), Options{Runtime: cri, BinDir: binDir,
 				Conflist: func() (string, []byte, error) { return "10-aws.conflist", []byte(list), nil }})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if len(r.Failed) > 0 {
-				t.Errorf("failed: %v", r.Failed)
+			if (len(r.Failed) > 0) != tc.failed {
+				t.Errorf("failed: %v, want a failure %v", r.Failed, tc.failed)
 			}
 			if r.Sandboxes != 1 || len(r.Adopted) != tc.adopted {
 				t.Errorf("%d sandboxes, %d adopted; want 1, %d", r.Sandboxes, len(r.Adopted), tc.adopted)
