@@ -326,7 +326,7 @@ func (r *runner) loop(ctx context.Context) error {
 			cw.Close()
 		}
 	}()
-	r.applyPolicies("start")
+	r.applyPolicies(pushStart)
 
 	// The mirror writes into the directory pw follows, and also says when
 	// it wrote and when its first sync is complete.
@@ -361,12 +361,12 @@ func (r *runner) loop(ctx context.Context) error {
 			continue
 		case <-pw.C:
 			// Also what the mirror's own writes look like: applied once,
-			// by whichever of the two comes first (applyPolicies skips a
-			// directory it has programmed).
-			r.applyPolicies("policy files changed")
+			// by whichever of the two comes first (a change's push skips
+			// a directory that is programmed already).
+			r.applyPolicies(pushFilesChanged)
 			continue
 		case <-clusterChanged:
-			r.applyPolicies("cluster policy files changed")
+			r.applyPolicies(pushClusterFilesChanged)
 			continue
 		case <-mirrored:
 			select {
@@ -374,7 +374,7 @@ func (r *runner) loop(ctx context.Context) error {
 				r.m.mirrorSynced.Set(1)
 			default:
 			}
-			r.applyPolicies("PolicyEndpoints changed")
+			r.applyPolicies(pushMirrored)
 			continue
 		case <-pw.Failed:
 			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
@@ -382,7 +382,7 @@ func (r *runner) loop(ctx context.Context) error {
 			if pw, err = watch(); err != nil {
 				return err
 			}
-			r.applyPolicies("policy directory watched again")
+			r.applyPolicies(pushWatchedAgain)
 			continue
 		case <-clusterFailed:
 			// Removed (with the policy directory, say): its policies no
@@ -390,7 +390,7 @@ func (r *runner) loop(ctx context.Context) error {
 			r.log.Info("the cluster policy directory is gone: no cluster policy applies until it is back", "reason", cw.Err())
 			cw.Close()
 			cw = nil
-			r.applyPolicies("cluster policy directory gone")
+			r.applyPolicies(pushClusterDirGone)
 			continue
 		case <-r.wake:
 		case <-timer.C:
@@ -428,36 +428,71 @@ func (r *runner) logPass(rep sweep.Report) {
 	}
 }
 
+// push is why the policy directory is programmed into every identifier.
+type push uint8
+
+const (
+	pushStart               push = iota // the sweeper started
+	pushFilesChanged                    // inotify: the policy directory's files
+	pushClusterFilesChanged             // inotify: its cluster/ subdirectory's
+	pushMirrored                        // the mirror wrote what the API changed
+	pushWatchedAgain                    // the policy directory is followed again
+	pushClusterDirGone                  // cluster/ was removed
+)
+
+func (p push) String() string {
+	switch p {
+	case pushStart:
+		return "start"
+	case pushFilesChanged:
+		return "policy files changed"
+	case pushClusterFilesChanged:
+		return "cluster policy files changed"
+	case pushMirrored:
+		return "PolicyEndpoints changed"
+	case pushWatchedAgain:
+		return "policy directory watched again"
+	case pushClusterDirGone:
+		return "cluster policy directory gone"
+	}
+	return fmt.Sprintf("push(%d)", uint8(p))
+}
+
+// ofChange says p reports a change of the directory's files, which reaches
+// the loop once or twice (the mirror's signal, then inotify's on the
+// directory or on cluster/): a directory that is programmed already is not
+// programmed again. The other pushes program whatever it holds.
+func (p push) ofChange() bool {
+	return p == pushFilesChanged || p == pushClusterFilesChanged || p == pushMirrored
+}
+
 // applyPolicies programs every identifier with what the policy directory
 // says. A directory that cannot be read changes nothing; the refusal is
 // logged and counted (ReapplyPolicies records it for ls). What documents
 // say that is not enforced as written is logged when it changes, and
 // counted.
-func (r *runner) applyPolicies(why string) {
+func (r *runner) applyPolicies(why push) {
 	start := time.Now()
-	// A change of the directory reaches here once or twice (the mirror's
-	// signal, then inotify's): what was programmed is not programmed
-	// again. At start and when watched again, it is, whatever it holds.
 	var unless policy.Digest
-	if why == "policy files changed" || why == "PolicyEndpoints changed" {
+	if why.ofChange() {
 		unless = r.applied
 	}
 	r.applied = policy.Digest{}
 	a, err := node.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, unless)
 	if a.Unchanged {
 		r.applied = a.Digest
-		r.log.Debug("policy directory unchanged: not programmed again", "why", why)
+		r.log.Debug("policy directory unchanged: not programmed again", "why", why.String())
 		return
 	}
 	n := a.Identifiers
 	if errors.Is(err, policy.ErrUnsynced) {
-		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why)
+		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why.String())
 		return
 	}
 	if errors.Is(err, node.ErrInvalidPolicy) {
 		r.m.policyValid.Set(0)
 		r.m.policyErrors.Inc()
-		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why, "error", err)
+		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why.String(), "error", err)
 		return
 	}
 	r.m.policyValid.Set(1)
@@ -477,11 +512,11 @@ func (r *runner) applyPolicies(why string) {
 	r.keepErr = a.KeepErr
 	if err != nil {
 		r.m.policyErrors.Inc()
-		r.log.Error("program identifiers with the policy", "why", why, "identifiers_programmed", n, "error", err)
+		r.log.Error("program identifiers with the policy", "why", why.String(), "identifiers_programmed", n, "error", err)
 		return
 	}
 	r.applied = a.Digest
-	r.log.Info("policy programmed", "why", why, "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
+	r.log.Info("policy programmed", "why", why.String(), "identifiers", n, "duration_ms", time.Since(start).Milliseconds())
 }
 
 // syncNodeAddrs writes the node's addresses and, when they changed,
