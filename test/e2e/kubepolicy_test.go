@@ -440,3 +440,96 @@ func TestKubernetesPolicyNotReadable(t *testing.T) {
 	logs.waitFor(t, `domainName \"example.com\" is not enforced`, 2*time.Second)
 	logs.waitFor(t, "PolicyEndpoint does not parse", 2*time.Second)
 }
+
+// TestKubernetesPushedOncePerChange: each change of a PolicyEndpoint and
+// of a ClusterPolicyEndpoint reaches the identifiers in one push, though
+// it reaches the sweeper twice (the mirror's signal, and inotify on the
+// policy directory or on its cluster/); each step is seen in traffic, then
+// the pushes are counted once the second signal is past.
+func TestKubernetesPushedOncePerChange(t *testing.T) {
+	c := newAPICluster(t)
+	ctx := context.Background()
+	c.api.InstallCRDs(ctx, kubeapi.ControllerCRD(t, "clusterpolicyendpoints"))
+	_, dyn := c.api.Clients()
+	cpes := dyn.Resource(policymirror.ClusterResource)
+	client := c.addPod("client", "default")
+	other := c.addPod("other", "default")
+	web := c.addPod(webReplicas[0], "default")
+	echoServer(t, web.netns, backendPort)
+	logs := c.runKubeSweeper(t)
+	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
+
+	cpe := func(action string) *unstructured.Unstructured {
+		d := clusterDoc{name: "admin", tier: "Admin", priority: 10, pods: []*pod{web},
+			ingress: []clusterRule{{action: action, cidr: client.ip.String() + "/32"}}}
+		obj := &unstructured.Unstructured{}
+		if err := json.Unmarshal([]byte(d.String()), &obj.Object); err != nil {
+			t.Fatal(err)
+		}
+		eps, _, _ := unstructured.NestedSlice(obj.Object, "spec", "podSelectorEndpoints")
+		for _, ep := range eps {
+			ep.(map[string]any)["hostIP"] = nodeIP.String()
+		}
+		if err := unstructured.SetNestedSlice(obj.Object, eps, "spec", "podSelectorEndpoints"); err != nil {
+			t.Fatal(err)
+		}
+		return obj
+	}
+	updateCPE := func(obj *unstructured.Unstructured) {
+		cur, err := cpes.Get(ctx, obj.GetName(), metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		obj.SetResourceVersion(cur.GetResourceVersion())
+		if _, err := cpes.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clusterFile := func() bool {
+		entries, _ := os.ReadDir(filepath.Join(c.policyDir, policy.ClusterDir))
+		for _, e := range entries {
+			if !strings.HasPrefix(e.Name(), ".") {
+				return true
+			}
+		}
+		return false
+	}
+	programmed := func() int { return strings.Count(logs.String(), `"msg":"policy programmed"`) }
+	for _, step := range []struct {
+		name   string
+		change func()
+		done   func() bool // the change is in force
+	}{
+		{"PolicyEndpoint created", func() { c.create(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, other)) },
+			func() bool { return !c.connects(client, web, backendPort) }},
+		{"PolicyEndpoint updated", func() { c.update(t, policyEndpoint(t, "web", []string{webReplicas[0]}, backendPort, client)) },
+			func() bool { return c.connects(client, web, backendPort) }},
+		{"ClusterPolicyEndpoint created", func() {
+			if _, err := cpes.Create(ctx, cpe("Deny"), metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}, func() bool { return !c.connects(client, web, backendPort) }},
+		{"ClusterPolicyEndpoint updated", func() { updateCPE(cpe("Pass")) },
+			func() bool { return c.connects(client, web, backendPort) }},
+		{"ClusterPolicyEndpoint deleted", func() {
+			if err := cpes.Delete(ctx, cpe("Pass").GetName(), metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}, func() bool { return !clusterFile() }},
+	} {
+		before := programmed()
+		step.change()
+		deadline := time.Now().Add(5 * time.Second)
+		for !step.done() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not in force after 5 s; log:\n%s", step.name, logs)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		// inotify's signal comes past its quiet time after the mirror's.
+		time.Sleep(500 * time.Millisecond)
+		if n := programmed() - before; n != 1 {
+			t.Errorf("%s: programmed %d times, want once", step.name, n)
+		}
+	}
+}
