@@ -18,7 +18,7 @@
 // replicas attached to the old objects would stop sharing state. Pins of an
 // earlier layout or build are taken over on purpose: OpenGlobal for the
 // node's maps, RenewIdentifier for an identifier's, whose caller then moves
-// the members onto the new programs (renew.go, package node); each
+// the members onto the new programs (renew.go, package pinroot); each
 // directory of maps records its LayoutVersion (version.go). ApplyPolicy
 // writes a compiled policy.Set to the side not in force and bumps the
 // generation, which puts it in force whole and makes every tracked flow be

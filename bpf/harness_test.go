@@ -20,7 +20,7 @@ import (
 type harness struct {
 	root string
 	g    *Global
-	id   *Identifier
+	id   *Datapath
 }
 
 func newHarness(tb testing.TB) *harness {

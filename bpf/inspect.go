@@ -98,7 +98,7 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 		info.Admin[d] = bits&(enforceAdmin<<d) != 0
 		info.Baseline[d] = bits&(enforceBaseline<<d) != 0
 	}
-	i := Identifier{ID: id, Counters: counters}
+	i := Datapath{ID: id, Counters: counters}
 	if info.Counters, err = i.ReadCounters(); err != nil {
 		return info, err
 	}

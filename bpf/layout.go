@@ -86,7 +86,7 @@ var layouts = map[string]mapLayout{
 	mapPortSets:        {ebpf.Hash, 4, portSetSize, portSetCapacity, carryCopy, 1, nil},
 	// New in layout 2, so no earlier pin holds entries of another
 	// meaning; a take-over of layout 1 creates it empty and fills it from
-	// the member records (package node) before members move onto programs
+	// the member records (package pinroot) before members move onto programs
 	// that read it.
 	mapSources: {ebpf.Hash, 4, sourcesSize, maxMembers, carryCopy, 1, nil},
 	// New in layout 3, likewise: a take-over of an earlier layout creates

@@ -309,9 +309,9 @@ func (g *Global) replacements() map[string]*ebpf.Map {
 	}
 }
 
-// Identifier is the datapath of one pod identifier: its two programs and the
+// Datapath is what one pod identifier runs: its two programs and the
 // maps they share with every replica.
-type Identifier struct {
+type Datapath struct {
 	ID  podid.ID
 	Dir string // pin directory
 
@@ -351,7 +351,7 @@ type Side struct {
 // ApplyPolicy programs it. Pins that an earlier layout made, or programs
 // that do not use the node's maps, are refused (ErrIncompatiblePin):
 // RenewIdentifier takes them over.
-func OpenIdentifier(g *Global, dir string, id podid.ID) (*Identifier, error) {
+func OpenIdentifier(g *Global, dir string, id podid.ID) (*Datapath, error) {
 	ident, _, err := openIdentifier(g, dir, id, false)
 	return ident, err
 }
@@ -361,12 +361,12 @@ func OpenIdentifier(g *Global, dir string, id podid.ID) (*Identifier, error) {
 // what the node has (why, adoption's seeding of a pod the plugin just
 // added). Missing pins, and pins this build would have to take over, are
 // errors. The caller holds the identifier's lock; dir is its directory.
-func OpenExistingIdentifier(g *Global, dir string, id podid.ID) (*Identifier, error) {
+func OpenExistingIdentifier(g *Global, dir string, id podid.ID) (*Datapath, error) {
 	s, err := openMapSet(dir, identifierMaps, func(string) uint32 { return 0 }, openMode{existing: true, errRenew: errIdentifierRenewal})
 	if err != nil {
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
 	}
-	ident := &Identifier{ID: id, Dir: dir, global: g}
+	ident := &Datapath{ID: id, Dir: dir, global: g}
 	fields := ident.mapFields()
 	for name, m := range s.maps {
 		*fields[name] = m
@@ -394,13 +394,13 @@ type Renewal struct {
 	// MovePending says that members may still run other programs than the
 	// pinned ones: programs were replaced now, or by a renewal whose
 	// members were not all moved. The caller moves them
-	// (node.Identifier.MoveMembers), then calls MembersMoved.
+	// (pinroot.Hold.MoveMembers), then calls MembersMoved.
 	MovePending bool
 }
 
 // MembersMoved records that every member runs the pinned programs, which
 // ends a renewal's MovePending. The caller holds the identifier's lock.
-func (i *Identifier) MembersMoved() error {
+func (i *Datapath) MembersMoved() error {
 	mk, ok, err := readMarker(i.Dir)
 	if err != nil {
 		return err
@@ -421,13 +421,13 @@ func (i *Identifier) MembersMoved() error {
 // other maps than the node's and the identifier's, are replaced by this
 // build's. Only pins this build cannot take over are refused
 // (ErrIncompatiblePin; a later layout's, ErrNewerLayout).
-func RenewIdentifier(g *Global, dir string, id podid.ID) (*Identifier, Renewal, error) {
+func RenewIdentifier(g *Global, dir string, id podid.ID) (*Datapath, Renewal, error) {
 	return openIdentifier(g, dir, id, true)
 }
 
 var errIdentifierRenewal = fmt.Errorf("%w: the pin is another layout's (podfence-sweeper upgrade moves the identifier to this build)", ErrIncompatiblePin)
 
-func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier, Renewal, error) {
+func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, Renewal, error) {
 	if dir == "" {
 		return nil, Renewal{}, fmt.Errorf("open identifier %q: no directory", id)
 	}
@@ -439,13 +439,13 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 	if err != nil {
 		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
 	}
-	ident := &Identifier{ID: id, Dir: dir, global: g}
+	ident := &Datapath{ID: id, Dir: dir, global: g}
 	fields := ident.mapFields()
 	for name, m := range s.maps {
 		*fields[name] = m
 	}
 	rn := Renewal{From: s.from, Maps: s.renewed}
-	fail := func(err error) (*Identifier, Renewal, error) {
+	fail := func(err error) (*Datapath, Renewal, error) {
 		ident.Close()
 		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
 	}
@@ -502,7 +502,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Identifier
 }
 
 // mapFields are the identifier's map fields by pin name (identifierMaps).
-func (i *Identifier) mapFields() map[string]**ebpf.Map {
+func (i *Datapath) mapFields() map[string]**ebpf.Map {
 	fields := map[string]**ebpf.Map{
 		mapState:    &i.State,
 		mapCounters: &i.Counters,
@@ -523,7 +523,7 @@ func (i *Identifier) mapFields() map[string]**ebpf.Map {
 
 // openPinnedPrograms reuses pinned programs when both exist and use exactly
 // this identifier's maps and the node's global maps.
-func (i *Identifier) openPinnedPrograms(g *Global) (bool, error) {
+func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 	ingress, errIn := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgIngress), nil)
 	egress, errEg := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgEgress), nil)
 	if errIn != nil || errEg != nil {
@@ -620,7 +620,7 @@ var constantSections = sync.OnceValue(func() int {
 // loadPrograms loads the two programs at once, unpinned, each in a
 // goroutine of its own: the kernel verifies privileged loads concurrently,
 // and verification is most of what a first replica's ADD waits for.
-func (i *Identifier) loadPrograms(g *Global) error {
+func (i *Datapath) loadPrograms(g *Global) error {
 	cs, err := loadableSpec()
 	if err != nil {
 		return err
@@ -656,7 +656,7 @@ func (i *Identifier) loadPrograms(g *Global) error {
 }
 
 // pinPrograms pins the programs loadPrograms loaded, in place of any pins.
-func (i *Identifier) pinPrograms() error {
+func (i *Datapath) pinPrograms() error {
 	for _, p := range []struct {
 		prog *ebpf.Program
 		pin  string
@@ -710,7 +710,7 @@ func pinReplacing(p interface{ Pin(string) error }, path string) error {
 	return nil
 }
 
-func (i *Identifier) maps() []*ebpf.Map {
+func (i *Datapath) maps() []*ebpf.Map {
 	fields := i.mapFields()
 	maps := make([]*ebpf.Map, 0, len(identifierMaps))
 	for _, name := range identifierMaps {
@@ -720,7 +720,7 @@ func (i *Identifier) maps() []*ebpf.Map {
 }
 
 // Close releases the file descriptors; the pins stay.
-func (i *Identifier) Close() error {
+func (i *Datapath) Close() error {
 	err := closeAll(i.maps()...)
 	return errors.Join(err, closeAll(i.Ingress, i.Egress))
 }

@@ -44,7 +44,7 @@ const (
 // The node's addresses (Global.SetNodeAddrs) become entries of the ingress
 // tries that allow everything, so that kubelet probes pass whatever the
 // policy says; after the node's addresses change, apply again.
-func (i *Identifier) ApplyPolicy(set policy.Set) error {
+func (i *Datapath) ApplyPolicy(set policy.Set) error {
 	lv, err := i.SwitchPolicy(set)
 	if err != nil || lv == nil {
 		return err
@@ -60,7 +60,7 @@ func (i *Identifier) ApplyPolicy(set policy.Set) error {
 // port sets neither names, which must wait until no program run that read
 // the old generation is left.
 type Leveling struct {
-	i    *Identifier
+	i    *Datapath
 	st   podfenceIdState // as the switch left it
 	want sideWant
 	have sideEntries // what the side left behind holds
@@ -73,7 +73,7 @@ type Leveling struct {
 // identifier. A caller that changes many identifiers (node.ReapplyPolicies)
 // switches them all and waits once. Left undone, by a process killed in
 // between, the identifier's next change does it, waiting for itself.
-func (i *Identifier) SwitchPolicy(set policy.Set) (*Leveling, error) {
+func (i *Datapath) SwitchPolicy(set policy.Set) (*Leveling, error) {
 	lv, err := i.switchPolicy(set)
 	if err != nil {
 		return nil, fmt.Errorf("apply policy of %q: %w", i.ID, err)
@@ -92,7 +92,7 @@ func (lv *Leveling) Level() error {
 	return nil
 }
 
-func (i *Identifier) switchPolicy(set policy.Set) (*Leveling, error) {
+func (i *Datapath) switchPolicy(set policy.Set) (*Leveling, error) {
 	nodes, err := i.global.NodeAddresses()
 	if err != nil {
 		return nil, err
@@ -200,7 +200,7 @@ func setEnforced(st *podfenceIdState, s int, bits uint8) {
 
 // change writes want to the side not in force and puts it in force, and
 // returns the state it left, flagged until the side it left is level.
-func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) (podfenceIdState, error) {
+func (i *Datapath) change(st podfenceIdState, mode uint8, want sideWant, have [2]sideEntries, sets *portSets) (podfenceIdState, error) {
 	next := 1 - sideOf(st.Generation)
 	st.Applying = 1
 	if err := i.writeState(st); err != nil {
@@ -245,7 +245,7 @@ func (i *Identifier) change(st podfenceIdState, mode uint8, want sideWant, have 
 // as current. While such members may exist, level bumps the generation
 // once more, which both sides now allow, so that those flows are checked
 // again against the policy in force.
-func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) error {
+func (i *Datapath) level(st podfenceIdState, want sideWant, have sideEntries) error {
 	other := 1 - sideOf(st.Generation)
 	if err := i.Sides[other].diff(have, want).apply(); err != nil {
 		return fmt.Errorf("level side %d: %w", other, err)
@@ -258,7 +258,7 @@ func (i *Identifier) level(st podfenceIdState, want sideWant, have sideEntries) 
 	return i.writeState(st)
 }
 
-func (i *Identifier) writeState(st podfenceIdState) error {
+func (i *Datapath) writeState(st podfenceIdState) error {
 	if err := i.State.Update(uint32(0), &st, ebpf.UpdateExist); err != nil {
 		return fmt.Errorf("write state: %w", err)
 	}
@@ -272,7 +272,7 @@ func (i *Identifier) writeState(st podfenceIdState) error {
 // that the generation was still to be bumped, even if its tries held the
 // policy: syncSides bumps it, as that build's next change would have, and
 // leaves the flag set (see below).
-func (i *Identifier) syncSides() error {
+func (i *Datapath) syncSides() error {
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return fmt.Errorf("read state: %w", err)
@@ -316,7 +316,7 @@ func stopAt(step string) error {
 var testStop func(step string) error
 
 // Generation returns the identifier's current policy generation.
-func (i *Identifier) Generation() (uint32, error) {
+func (i *Datapath) Generation() (uint32, error) {
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return 0, fmt.Errorf("read state of %q: %w", i.ID, err)
@@ -326,7 +326,7 @@ func (i *Identifier) Generation() (uint32, error) {
 
 // Mode returns the enforcing mode the identifier's state records (the one
 // its first ADD set).
-func (i *Identifier) Mode() (policy.Mode, error) {
+func (i *Datapath) Mode() (policy.Mode, error) {
 	var st podfenceIdState
 	if err := i.State.Lookup(uint32(0), &st); err != nil {
 		return "", fmt.Errorf("read state of %q: %w", i.ID, err)

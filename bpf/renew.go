@@ -25,7 +25,7 @@ import (
 //
 // Programs of the earlier build stay attached, and keep the maps they were
 // loaded with alive, until their members are moved onto the new programs
-// (package node), which is an atomic swap on each hook. An upgrade
+// (package pinroot), which is an atomic swap on each hook. An upgrade
 // killed midway leaves pins that the next one finishes: new pins are
 // reused, old ones renewed again.
 

@@ -171,7 +171,7 @@ func TestUnconvertible(t *testing.T) {
 // pinEarlierBuild pins id's maps and programs as a build of the same layout
 // version but half the trie capacity would, with set applied, and returns
 // that identifier.
-func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Identifier {
+func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Datapath {
 	t.Helper()
 	return pinBuild(t, g, root, id, set, marker{version: LayoutVersion, object: "an-earlier-build"},
 		func(name string, ms *ebpf.MapSpec) bool {
@@ -184,7 +184,7 @@ func pinEarlierBuild(t *testing.T, g *Global, root string, id podid.ID, set poli
 
 // pinLayout1 pins id as a build of layout 1 did: counters of 11 reasons per
 // direction, and no sources map (its programs here get an unpinned one).
-func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Identifier {
+func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Set) *Datapath {
 	t.Helper()
 	return pinBuild(t, g, root, id, set, marker{version: 1, object: "a-layout-1-build"},
 		func(name string, ms *ebpf.MapSpec) bool {
@@ -201,7 +201,7 @@ func pinLayout1(t *testing.T, g *Global, root string, id podid.ID, set policy.Se
 // pinLayout3 pins id as a build of layout 3 did, with set applied: one
 // side of the policy (no _1 maps; its programs here get unpinned ones),
 // the state's side-1 bits padding, and a generation of either parity.
-func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, odd, stopped bool) *Identifier {
+func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, odd, stopped bool) *Datapath {
 	t.Helper()
 	side1 := map[string]bool{}
 	for d := range sideMaps[1].policy {
@@ -233,7 +233,7 @@ func pinLayout3(t *testing.T, g *Global, root string, id podid.ID, set policy.Se
 // pinBuild pins id's maps, shaped by shape (which says whether a map is
 // pinned), and programs loaded against them, with set applied and mk as
 // the directory's marker.
-func pinBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, mk marker, shape func(string, *ebpf.MapSpec) bool) *Identifier {
+func pinBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set, mk marker, shape func(string, *ebpf.MapSpec) bool) *Datapath {
 	t.Helper()
 	cs, err := loadableSpec()
 	if err != nil {
@@ -243,7 +243,7 @@ func pinBuild(t *testing.T, g *Global, root string, id podid.ID, set policy.Set,
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	old := &Identifier{ID: id, Dir: dir, global: g}
+	old := &Datapath{ID: id, Dir: dir, global: g}
 	t.Cleanup(func() { old.Close() })
 	fields := old.mapFields()
 	repl := g.replacements()

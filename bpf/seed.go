@@ -16,7 +16,7 @@ import (
 // flows that were open before the pod's programs were attached (an
 // adopted pod's) are judged as they were opened, not by the direction of
 // whichever packet comes next. Unlike Trial, it changes the node.
-func (i *Identifier) Seed(d policy.Direction, frame []byte, ifindex uint32) (uint32, error) {
+func (i *Datapath) Seed(d policy.Direction, frame []byte, ifindex uint32) (uint32, error) {
 	prog := i.Ingress
 	if d == policy.Egress {
 		prog = i.Egress

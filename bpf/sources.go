@@ -65,7 +65,7 @@ func decodeSources(v podfencePodSources) Sources {
 // SetSources records what the member on host veth ifindex may send from.
 // The caller holds the identifier's lock and writes the entry before it
 // attaches the programs, so the pod's first packet finds it.
-func (i *Identifier) SetSources(ifindex uint32, s Sources) error {
+func (i *Datapath) SetSources(ifindex uint32, s Sources) error {
 	v, err := s.encode()
 	if err != nil {
 		return fmt.Errorf("identifier %q, veth ifindex %d: %w", i.ID, ifindex, err)
@@ -77,7 +77,7 @@ func (i *Identifier) SetSources(ifindex uint32, s Sources) error {
 }
 
 // ReadSources returns every member's sources by host veth ifindex.
-func (i *Identifier) ReadSources() (map[uint32]Sources, error) {
+func (i *Datapath) ReadSources() (map[uint32]Sources, error) {
 	return readSources(i.Sources)
 }
 

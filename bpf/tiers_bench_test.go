@@ -159,7 +159,7 @@ func BenchmarkClusterChange(b *testing.B) {
 	deny.Cluster.Admin[policy.Ingress] = policy.TierRules{{CIDR: netip.MustParsePrefix("192.0.2.0/24"),
 		Ports: []policy.PortRange{{Last: 65535}}, Action: policy.ActionDeny, Priority: 10}}
 	deny.Cluster.Admin[policy.Egress] = deny.Cluster.Admin[policy.Ingress]
-	var ids []*Identifier
+	var ids []*Datapath
 	for i := range identifiers {
 		name := podid.ID(fmt.Sprintf("app-%d@default", i))
 		id, err := OpenIdentifier(g, identDir(root, name), name)

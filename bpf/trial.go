@@ -28,7 +28,7 @@ type skbContext struct {
 // copy: conntrack holds a copy of the pod's live entries (so an
 // established flow answers as it would), and the counters, deny events,
 // fragment and clock caches are empty. Nothing on the node changes.
-func (i *Identifier) Trial(d policy.Direction, frame []byte, ifindex uint32) (uint32, Reason, error) {
+func (i *Datapath) Trial(d policy.Direction, frame []byte, ifindex uint32) (uint32, Reason, error) {
 	cs, err := loadableSpec()
 	if err != nil {
 		return 0, 0, err

@@ -78,7 +78,7 @@ func (r Reason) Verdict() uint32 {
 type Counters [2][NumReasons]uint64
 
 // ReadCounters sums the identifier's per-CPU counters.
-func (i *Identifier) ReadCounters() (Counters, error) {
+func (i *Datapath) ReadCounters() (Counters, error) {
 	c, err := readCounters(i.Counters)
 	if err != nil {
 		return c, fmt.Errorf("read counters of %q: %w", i.ID, err)

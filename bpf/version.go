@@ -48,7 +48,7 @@ type marker struct {
 	version uint32
 	object  string // empty in the global directory
 	// moving: the programs were replaced, and members may still run the
-	// ones before (until node.Identifier.MoveMembers and MembersMoved).
+	// ones before (until pinroot.Hold.MoveMembers and MembersMoved).
 	moving bool
 }
 

@@ -12,8 +12,8 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ipproto"
 	"github.com/podfence/podfence/pkg/liveness"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/sweep"
@@ -68,7 +68,7 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	if err := checkPinRoot(c.pinRoot, false); err != nil {
 		return err
 	}
-	idents, err := readNode(c.pinRoot)
+	idents, err := readIdentifiers(c.pinRoot)
 	if err != nil {
 		return err
 	}
@@ -76,7 +76,7 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	for _, s := range idents {
 		views = append(views, s.view())
 	}
-	ps, recorded, err := node.New(c.pinRoot).ReadPolicyStatus()
+	ps, recorded, err := pinroot.New(c.pinRoot).ReadPolicyStatus()
 	if err != nil {
 		return err
 	}
@@ -157,7 +157,7 @@ type identCounters struct {
 // trace's totals need, at every scrape or event batch. An identifier being
 // created or removed is left out.
 func readCounters(pinRoot string) ([]identCounters, error) {
-	pins := node.New(pinRoot)
+	pins := pinroot.New(pinRoot)
 	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
@@ -397,7 +397,7 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return err
 	}
-	a, err := node.New(c.pinRoot).ReapplyPolicies(g, *policyDir, policy.Digest{})
+	a, err := pinroot.New(c.pinRoot).ReapplyPolicies(g, *policyDir, policy.Digest{})
 	if err != nil {
 		return err
 	}

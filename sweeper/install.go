@@ -11,7 +11,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
-	"github.com/podfence/podfence/pkg/node"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -150,7 +150,7 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 	if chainErr != nil {
 		fmt.Fprintf(stderr, "podfence-sweeper uninstall: %v; taking the hooks off anyway\n", chainErr)
 	}
-	r, err := node.New(c.pinRoot).RemoveAll()
+	r, err := pinroot.New(c.pinRoot).RemoveAll()
 	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)
 	if err != nil {
 		return fmt.Errorf("uninstall: %w (run it again to finish)", err)

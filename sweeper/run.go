@@ -24,8 +24,8 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/policywatch"
@@ -478,7 +478,7 @@ func (r *runner) applyPolicies(why push) {
 		unless = r.applied
 	}
 	r.applied = policy.Digest{}
-	a, err := node.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, unless)
+	a, err := pinroot.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, unless)
 	if a.Unchanged {
 		r.applied = a.Digest
 		r.log.Debug("policy directory unchanged: not programmed again", "why", why.String())
@@ -489,7 +489,7 @@ func (r *runner) applyPolicies(why push) {
 		r.log.Info("policy not programmed until the first sync with the API: identifiers keep what they enforce", "why", why.String())
 		return
 	}
-	if errors.Is(err, node.ErrInvalidPolicy) {
+	if errors.Is(err, pinroot.ErrInvalidPolicy) {
 		r.m.policyValid.Set(0)
 		r.m.policyErrors.Inc()
 		r.log.Error("policy directory refused: every identifier keeps its last good policy", "why", why.String(), "error", err)
@@ -535,7 +535,7 @@ func (r *runner) syncNodeAddrs() {
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
 	}
-	a, err := node.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, policy.Digest{})
+	a, err := pinroot.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, policy.Digest{})
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)
 	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)

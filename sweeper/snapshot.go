@@ -10,7 +10,7 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -35,11 +35,11 @@ type memberState struct {
 	Attached bool
 }
 
-// readNode reads every identifier on the node, each under its lock, so
+// readIdentifiers reads every identifier of the pin root, each under its lock, so
 // that a member half-added is never shown. An identifier whose last
 // member left meanwhile is left out.
-func readNode(pinRoot string) ([]identState, error) {
-	pins := node.New(pinRoot)
+func readIdentifiers(pinRoot string) ([]identState, error) {
+	pins := pinroot.New(pinRoot)
 	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
@@ -59,7 +59,7 @@ func readNode(pinRoot string) ([]identState, error) {
 
 // readIdentifier reads one identifier in one hold of its lock; ok is false
 // when it is gone.
-func readIdentifier(pins *node.Node, id podid.ID) (s identState, ok bool, err error) {
+func readIdentifier(pins *pinroot.Root, id podid.ID) (s identState, ok bool, err error) {
 	lock, err := pins.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return s, false, nil
@@ -77,7 +77,7 @@ func readIdentifier(pins *node.Node, id podid.ID) (s identState, ok bool, err er
 	s.Unreadable = sc.Unreadable
 	for _, m := range sc.Members {
 		ms := memberState{Member: m}
-		ms.VethPresent, _ = node.VethPresent(m)
+		ms.VethPresent, _ = pinroot.VethPresent(m)
 		if ms.VethPresent && s.InfoErr == nil && s.Info.Ingress != 0 {
 			ms.Attached = attached(m.HostIfindex, attach.HookEgress, s.Info.Ingress) &&
 				attached(m.HostIfindex, attach.HookIngress, s.Info.Egress)
@@ -143,7 +143,7 @@ func (o owner) matches(prefix string) bool {
 // owners maps the host veths' ifindexes to their members.
 func owners(pinRoot string) map[uint32]owner {
 	out := map[uint32]owner{}
-	idents, err := readNode(pinRoot)
+	idents, err := readIdentifiers(pinRoot)
 	if err != nil {
 		return out
 	}

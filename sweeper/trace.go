@@ -196,7 +196,7 @@ func newResolver(pinRoot, policyDir string) *resolver {
 func (r *resolver) refresh() {
 	r.read = time.Now()
 	r.byIfindex = map[uint32]memberOf{}
-	idents, err := readNode(r.pinRoot)
+	idents, err := readIdentifiers(r.pinRoot)
 	if err != nil {
 		return
 	}

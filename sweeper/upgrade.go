@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/node"
+	"github.com/podfence/podfence/pkg/pinroot"
 )
 
 // upgradeReport is what `upgrade --json` prints: the node's layout, what
@@ -67,11 +67,11 @@ func cmdUpgrade(args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
-// upgradeNode runs node.Node.Upgrade on the node; g was opened by this
+// upgradeNode runs pinroot.Root.Upgrade on the node; g was opened by this
 // build, which renewed the global maps.
 func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
 	rep := upgradeReport{Layout: bpf.LayoutVersion, GlobalFrom: g.Renewal.From, GlobalMaps: nonNil(g.Renewal.Maps), Identifiers: []upgradedIdentity{}}
-	ups, err := node.New(pinRoot).Upgrade(g)
+	ups, err := pinroot.New(pinRoot).Upgrade(g)
 	for _, u := range ups {
 		rep.Identifiers = append(rep.Identifiers, upgradedIdentity{
 			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved, Changed: u.Changed(),

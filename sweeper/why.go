@@ -9,8 +9,8 @@ import (
 	"strings"
 
 	"github.com/podfence/podfence/bpf"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -67,7 +67,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer g.Close()
-	s, ok, err := readIdentifier(node.New(c.pinRoot), q.id)
+	s, ok, err := readIdentifier(pinroot.New(c.pinRoot), q.id)
 	if err != nil {
 		return err
 	}
@@ -85,7 +85,7 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 			pkt.Src = q.source
 		}
 	}
-	lock, err := node.New(c.pinRoot).Lock(q.id)
+	lock, err := pinroot.New(c.pinRoot).Lock(q.id)
 	if err != nil {
 		return err
 	}

@@ -27,8 +27,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -311,7 +311,7 @@ func (d *demo) tryConnect(from, to *pod, port int, want bool) {
 }
 
 func (d *demo) showIdentifier(id string) error {
-	lock, err := node.New(d.pinRoot).Lock(podid.ID(id))
+	lock, err := pinroot.New(d.pinRoot).Lock(podid.ID(id))
 	if err != nil {
 		return err
 	}

@@ -37,8 +37,8 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/pinroot"
 )
 
 // IfName is the pod's interface the runtime's ADD names (the kubelet's
@@ -122,7 +122,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 	if pinRoot == "" {
 		pinRoot = pinpath.DefaultRoot
 	}
-	pins := node.New(pinRoot)
+	pins := pinroot.New(pinRoot)
 	lctx, cancel := context.WithTimeout(ctx, criTimeout)
 	defer cancel()
 	sandboxes, err := o.Runtime.Sandboxes(lctx)

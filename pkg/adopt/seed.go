@@ -8,8 +8,8 @@ import (
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/packet"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -47,7 +47,7 @@ func kernelFlows() ([]ctnetlink.Flow, error) {
 // the destination); one opened to it has the pod as the reply's source
 // (after the DNAT of a Service), and its packets reach the pod from the
 // reply's destination (after any SNAT).
-func seed(g *bpf.Global, pins *node.Node, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
+func seed(g *bpf.Global, pins *pinroot.Root, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
 	var s Seeded
 	id, err := pins.FindContainer(sb.ID, IfName)
 	if err != nil {

@@ -73,7 +73,7 @@ type env struct {
 	mode Mode
 	root string
 	g    *bpf.Global
-	id   *bpf.Identifier
+	id   *bpf.Datapath
 }
 
 func newEnv(t *testing.T, m Mode) *env {
@@ -92,7 +92,7 @@ func newEnv(t *testing.T, m Mode) *env {
 	return e
 }
 
-func (e *env) identifier(name podid.ID) *bpf.Identifier {
+func (e *env) identifier(name podid.ID) *bpf.Datapath {
 	e.t.Helper()
 	id, err := bpf.OpenIdentifier(e.g, pinpath.Root(e.root).Identifier(name), name)
 	if err != nil {

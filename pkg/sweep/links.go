@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -120,7 +120,7 @@ func (s *Sweeper) RemoveVethless(links Removed) ([]Orphan, error) {
 			if m == nil || (!all && links[uint32(m.HostIfindex)] != m.HostVeth) {
 				return false
 			}
-			present, err := node.VethPresent(*m)
+			present, err := pinroot.VethPresent(*m)
 			if err != nil {
 				errs = append(errs, err)
 				return false
@@ -156,7 +156,7 @@ func (s *Sweeper) identifiersWith(links Removed) []podid.ID {
 
 // logRemoved logs and returns the members a collection removed, and
 // forgets when their veths went missing.
-func (s *Sweeper) logRemoved(id podid.ID, c node.Collected, why string) []Orphan {
+func (s *Sweeper) logRemoved(id podid.ID, c pinroot.Collected, why string) []Orphan {
 	var orphans []Orphan
 	for _, m := range c.Members {
 		orphans = append(orphans, Orphan{ID: id, Member: m, Identifier: c.Identifier})

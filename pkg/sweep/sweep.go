@@ -6,7 +6,7 @@
 //
 //  1. notes the time (CLOCK_MONOTONIC, the clock of the entries' last_seen);
 //  2. reads the members of every identifier, collecting those whose veth has
-//     been gone for longer than the orphan grace (package node), and
+//     been gone for longer than the orphan grace (package pinroot), and
 //     notes the host veths of the live ones;
 //  3. streams the kernel table into a set of the tuples its flows hold in
 //     either direction (two keys a flow: no copy of the flows themselves);
@@ -33,7 +33,7 @@ import (
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 )
 
@@ -74,7 +74,7 @@ type Options struct {
 type Sweeper struct {
 	opts Options
 	g    *bpf.Global
-	node *node.Node
+	node *pinroot.Root
 	dump *ctnetlink.Dumper
 
 	mu        sync.Mutex
@@ -107,7 +107,7 @@ func New(g *bpf.Global, opts Options) (*Sweeper, error) {
 	return &Sweeper{
 		opts:         opts,
 		g:            g,
-		node:         node.New(opts.PinRoot),
+		node:         pinroot.New(opts.PinRoot),
 		dump:         d,
 		missingSince: map[string]time.Time{},
 		owners:       map[netip.Addr][]uint32{},
@@ -273,7 +273,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			present := linksErr == nil && links[uint32(m.HostIfindex)] == m.HostVeth
 			if !present {
 				var err error
-				if present, err = node.VethPresent(*m); err != nil {
+				if present, err = pinroot.VethPresent(*m); err != nil {
 					errs = append(errs, err)
 					present = true
 				}

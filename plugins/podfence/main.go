@@ -20,9 +20,9 @@ import (
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/node"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -90,7 +90,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	call.mark("check-policy")
 
-	lock, err := node.New(conf.PinRoot).LockOrCreate(id)
+	lock, err := pinroot.New(conf.PinRoot).LockOrCreate(id)
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -147,7 +147,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 // settleTombstone, under the identifier's lock, refuses an adoption's ADD
 // of a container whose DEL has run, and clears the tombstone of one the
 // runtime adds itself (see package membership).
-func settleTombstone(lock *node.Identifier, key string, adoption bool) error {
+func settleTombstone(lock *pinroot.Hold, key string, adoption bool) error {
 	if !adoption {
 		if err := lock.RemoveTombstone(key); err != nil {
 			return types.NewError(errState, err.Error(), "")
@@ -167,7 +167,7 @@ func settleTombstone(lock *node.Identifier, key string, adoption bool) error {
 // add does ADD's work under the identifier's lock. Its order is what makes
 // a kill at any instant repairable (see package membership): pins, then the
 // member's record, then the attachments.
-func add(conf *PluginConf, call *call, lock *node.Identifier, m membership.Member, set policy.Set) error {
+func add(conf *PluginConf, call *call, lock *pinroot.Hold, m membership.Member, set policy.Set) error {
 	g, err := bpf.OpenGlobalWith(conf.PinRoot, bpf.GlobalOptions{CTv4Entries: conf.CTv4Entries, CTv6Entries: conf.CTv6Entries})
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
@@ -275,7 +275,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "DEL", args)
 	defer func() { call.finish(err) }()
 
-	pins := node.New(conf.PinRoot)
+	pins := pinroot.New(conf.PinRoot)
 	key := membership.Key(args.ContainerID, args.IfName)
 	// Before the lock: an adoption's ADD that lists the pod before this
 	// DEL and adds it after then finds the tombstone (package membership).
@@ -359,7 +359,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.id = id
-	lock, err := node.New(conf.PinRoot).Lock(id)
+	lock, err := pinroot.New(conf.PinRoot).Lock(id)
 	if err != nil {
 		return types.NewError(errState, fmt.Sprintf("container %s: %v", args.ContainerID, err), "")
 	}
@@ -373,7 +373,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(errDatapath, err.Error(), "")
 	}
-	if present, err := node.VethPresent(m); err != nil {
+	if present, err := pinroot.VethPresent(m); err != nil {
 		return types.NewError(errAttach, err.Error(), "")
 	} else if !present {
 		return types.NewError(errAttach, fmt.Sprintf("veth %s (ifindex %d) of container %s is gone", m.HostVeth, m.HostIfindex, m.ContainerID), "")
@@ -415,7 +415,7 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	for _, a := range conf.ValidAttachments {
 		valid[membership.Key(a.ContainerID, a.IfName)] = true
 	}
-	n := node.New(conf.PinRoot)
+	n := pinroot.New(conf.PinRoot)
 	ids, err := n.Identifiers()
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
@@ -443,15 +443,15 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 }
 
 // cniError gives err the CNI code of the part of the node it concerns
-// (package node's sentinels), or fallback.
+// (package pinroot's sentinels), or fallback.
 func cniError(err error, fallback uint) error {
 	code := fallback
 	switch {
-	case errors.Is(err, node.ErrAttach):
+	case errors.Is(err, pinroot.ErrAttach):
 		code = errAttach
-	case errors.Is(err, node.ErrDatapath):
+	case errors.Is(err, pinroot.ErrDatapath):
 		code = errDatapath
-	case errors.Is(err, node.ErrState):
+	case errors.Is(err, pinroot.ErrState):
 		code = errState
 	}
 	return types.NewError(code, err.Error(), "")

@@ -149,7 +149,7 @@ func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
 		t.Fatal(err)
 	}
 	defer lock.Unlock()
-	c.withIdentifier(t, id, func(ident *bpf.Identifier) error {
+	c.withIdentifier(t, id, func(ident *bpf.Datapath) error {
 		return ident.ApplyPolicy(policy.ForIdentifier(docs, id, policy.ModeStandard))
 	})
 }
@@ -158,7 +158,7 @@ func (c *cluster) applyPolicy(t *testing.T, id podid.ID) {
 func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
 	t.Helper()
 	var counts bpf.Counters
-	c.withIdentifier(t, id, func(ident *bpf.Identifier) error {
+	c.withIdentifier(t, id, func(ident *bpf.Datapath) error {
 		var err error
 		counts, err = ident.ReadCounters()
 		return err
@@ -168,7 +168,7 @@ func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
 
 // withIdentifier runs fn on the pinned objects of an identifier that a
 // pod's ADD has created.
-func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Identifier) error) {
+func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Datapath) error) {
 	t.Helper()
 	g, err := bpf.OpenGlobal(c.pinRoot)
 	if err != nil {

@@ -1,4 +1,4 @@
-package node
+package pinroot
 
 import (
 	"errors"
@@ -22,10 +22,10 @@ const testID podid.ID = "web-7f65cc6544@default"
 // collections must handle.
 var web = membership.Member{ContainerID: "c1", IfName: "eth0", HostVeth: "veth-gone-c1", HostIfindex: 1 << 30, AttachMode: "tcx"}
 
-func openNode(t *testing.T) (*Node, *bpf.Global) {
+func openNode(t *testing.T) (*Root, *bpf.Global) {
 	t.Helper()
 	n := New(kernel.PinRoot(t))
-	g, err := bpf.OpenGlobal(n.Root())
+	g, err := bpf.OpenGlobal(n.Path())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,13 +34,13 @@ func openNode(t *testing.T) (*Node, *bpf.Global) {
 }
 
 // withPins makes testID's pins, with the given members recorded.
-func withPins(t *testing.T, n *Node, g *bpf.Global, members ...membership.Member) {
+func withPins(t *testing.T, n *Root, g *bpf.Global, members ...membership.Member) {
 	t.Helper()
 	withPinsOf(t, n, g, testID, members...)
 }
 
 // withPinsOf makes id's pins, with the given members recorded.
-func withPinsOf(t *testing.T, n *Node, g *bpf.Global, id podid.ID, members ...membership.Member) {
+func withPinsOf(t *testing.T, n *Root, g *bpf.Global, id podid.ID, members ...membership.Member) {
 	t.Helper()
 	h, err := n.LockOrCreate(id)
 	if err != nil {

@@ -1,4 +1,4 @@
-package node
+package pinroot
 
 import (
 	"errors"
@@ -17,11 +17,11 @@ import (
 	"github.com/podfence/podfence/pkg/pinpath"
 )
 
-// Identifier is one identifier of the node, held under its lock: its
+// Hold is one identifier of the node, held under its lock: its
 // member records (the embedded membership.Lock) and its pins are read and
 // changed through it alone, and Unlock ends the hold. The pins' directory
 // is the lock's: nothing outside this package works out where it is.
-type Identifier struct {
+type Hold struct {
 	*membership.Lock
 }
 
@@ -33,7 +33,7 @@ type Hook struct {
 
 // Hooks are a member's attachments. TCX links are pinned in the member's
 // directory, so removing the member removes them.
-func (h *Identifier) Hooks(m membership.Member) []Hook {
+func (h *Hold) Hooks(m membership.Member) []Hook {
 	dir := h.MemberDir(m.Key())
 	return []Hook{
 		{attach.HookIngress, filepath.Join(dir, pinpath.LinkIngress)},
@@ -70,7 +70,7 @@ func VethPresent(m membership.Member) (bool, error) {
 // identifier's pins and what its members run agree again. A member that
 // cannot be moved is not the caller's failure: it is reported in
 // Upgraded.Unmoved, and the next Open tries again.
-func (h *Identifier) Open(g *bpf.Global) (*bpf.Identifier, Upgraded, error) {
+func (h *Hold) Open(g *bpf.Global) (*bpf.Datapath, Upgraded, error) {
 	up := Upgraded{ID: h.ID}
 	ident, rn, err := bpf.RenewIdentifier(g, h.Dir(), h.ID)
 	up.Renewal = rn
@@ -85,24 +85,24 @@ func (h *Identifier) Open(g *bpf.Global) (*bpf.Identifier, Upgraded, error) {
 
 // OpenExisting opens the identifier's pins as they are, changing nothing:
 // for why, and for judging an adopted pod's flows.
-func (h *Identifier) OpenExisting(g *bpf.Global) (*bpf.Identifier, error) {
+func (h *Hold) OpenExisting(g *bpf.Global) (*bpf.Datapath, error) {
 	return bpf.OpenExistingIdentifier(g, h.Dir(), h.ID)
 }
 
 // Inspect reads the identifier's state, counters and pinned programs,
 // changing nothing.
-func (h *Identifier) Inspect() (bpf.IdentifierInfo, error) {
+func (h *Hold) Inspect() (bpf.IdentifierInfo, error) {
 	return bpf.InspectIdentifier(h.Dir(), h.ID)
 }
 
 // ProgramIDs are the IDs of the identifier's pinned programs.
-func (h *Identifier) ProgramIDs() (ingress, egress ebpf.ProgramID, err error) {
+func (h *Hold) ProgramIDs() (ingress, egress ebpf.ProgramID, err error) {
 	return bpf.PinnedProgramIDs(h.Dir())
 }
 
 // Sources is what the pinned sources map lets the veth of ifindex send
 // from; false when it has no entry.
-func (h *Identifier) Sources(ifindex int) (bpf.Sources, bool, error) {
+func (h *Hold) Sources(ifindex int) (bpf.Sources, bool, error) {
 	return bpf.LookupSources(h.Dir(), uint32(ifindex))
 }
 
@@ -111,7 +111,7 @@ func (h *Identifier) Sources(ifindex int) (bpf.Sources, bool, error) {
 // either (see package membership), so they are replaced and replaced is
 // true. With members they stay, and the error wraps incompatible's: a live
 // datapath is never swapped silently.
-func (h *Identifier) ReplaceUnused(g *bpf.Global, incompatible error) (ident *bpf.Identifier, replaced bool, err error) {
+func (h *Hold) ReplaceUnused(g *bpf.Global, incompatible error) (ident *bpf.Datapath, replaced bool, err error) {
 	sc, err := h.Scan()
 	if err != nil {
 		return nil, false, wrap(ErrState, errors.Join(incompatible, err))
@@ -133,7 +133,7 @@ func (h *Identifier) ReplaceUnused(g *bpf.Global, incompatible error) (ident *bp
 // Attach writes what m may send from, then attaches ident's programs to
 // both hooks of m's veth, in the mode its record names. Attaching is
 // idempotent, and replaces another program atomically.
-func (h *Identifier) Attach(m membership.Member, ident *bpf.Identifier) error {
+func (h *Hold) Attach(m membership.Member, ident *bpf.Datapath) error {
 	if err := setSources(m, ident); err != nil {
 		return err
 	}
@@ -147,7 +147,7 @@ func (h *Identifier) Attach(m membership.Member, ident *bpf.Identifier) error {
 
 // RemoveMember detaches a member's programs and deletes its record and
 // its sources entry. Gone already (veth, links, record) is fine.
-func (h *Identifier) RemoveMember(m membership.Member) error {
+func (h *Hold) RemoveMember(m membership.Member) error {
 	// The legacy filter is found by ifindex, which a new veth may have
 	// taken since: detach it only from the veth the record names; without
 	// it (ifindex 0) Detach removes only the link pins. A veth whose
@@ -177,7 +177,7 @@ func (h *Identifier) RemoveMember(m membership.Member) error {
 // veth that is gone may have passed its ifindex on to another member of
 // the identifier, whose entry it is now: it stays then. (Another
 // identifier's member keeps its entry in its own identifier's map.)
-func (h *Identifier) removeSources(m membership.Member, present bool) error {
+func (h *Hold) removeSources(m membership.Member, present bool) error {
 	if !present {
 		sc, err := h.Scan()
 		if err != nil {
@@ -195,7 +195,7 @@ func (h *Identifier) removeSources(m membership.Member, present bool) error {
 // RemoveIfUnused removes the identifier's pins when it has no member left,
 // and says whether it did. A member whose record cannot be read keeps them:
 // it may be a live pod whose record another version of podfence wrote.
-func (h *Identifier) RemoveIfUnused() (bool, error) {
+func (h *Hold) RemoveIfUnused() (bool, error) {
 	sc, err := h.Scan()
 	if err != nil {
 		return false, wrap(ErrState, err)
@@ -211,7 +211,7 @@ func (h *Identifier) RemoveIfUnused() (bool, error) {
 
 // RemoveAll removes the identifier's members, then its pins when no
 // unreadable record is left.
-func (h *Identifier) RemoveAll() (members int, removed bool, err error) {
+func (h *Hold) RemoveAll() (members int, removed bool, err error) {
 	sc, err := h.Scan()
 	if err != nil {
 		return 0, false, wrap(ErrState, err)
@@ -228,7 +228,7 @@ func (h *Identifier) RemoveAll() (members int, removed bool, err error) {
 
 // moveAll is MoveMembers that, once every member has moved, ends the
 // identifier's pending move.
-func (h *Identifier) moveAll(ident *bpf.Identifier) (int, error) {
+func (h *Hold) moveAll(ident *bpf.Datapath) (int, error) {
 	moved, err := h.MoveMembers(ident)
 	if err != nil {
 		return moved, err
@@ -241,7 +241,7 @@ func (h *Identifier) moveAll(ident *bpf.Identifier) (int, error) {
 // swapped atomically (a TCX link update, a cls_bpf filter replace), so a
 // member's packets meet either program, never none. A member whose veth is
 // gone is left to the collection of orphans.
-func (h *Identifier) MoveMembers(ident *bpf.Identifier) (int, error) {
+func (h *Hold) MoveMembers(ident *bpf.Datapath) (int, error) {
 	sc, err := h.Scan()
 	if err != nil {
 		return 0, wrap(ErrState, err)
@@ -275,7 +275,7 @@ func (h *Identifier) MoveMembers(ident *bpf.Identifier) (int, error) {
 
 // moveMember attaches ident's programs to the hooks of m that run another,
 // and returns how many it changed.
-func (h *Identifier) moveMember(m membership.Member, ident *bpf.Identifier) (int, error) {
+func (h *Hold) moveMember(m membership.Member, ident *bpf.Datapath) (int, error) {
 	// Programs of a build before the source check run without entries:
 	// the move writes them first.
 	if err := setSources(m, ident); err != nil {
@@ -300,11 +300,11 @@ func (h *Identifier) moveMember(m membership.Member, ident *bpf.Identifier) (int
 
 // setSources writes what m may send from into ident's sources map, before
 // ident's programs run on m's veth.
-func setSources(m membership.Member, ident *bpf.Identifier) error {
+func setSources(m membership.Member, ident *bpf.Datapath) error {
 	return ident.SetSources(uint32(m.HostIfindex), bpf.Sources{Addrs: m.Sources(), Any: m.AnySource})
 }
 
-func attachHook(m membership.Member, h Hook, ident *bpf.Identifier) error {
+func attachHook(m membership.Member, h Hook, ident *bpf.Datapath) error {
 	_, err := attach.Attach(attach.Options{
 		Ifindex: m.HostIfindex,
 		Hook:    h.Hook,
@@ -317,7 +317,7 @@ func attachHook(m membership.Member, h Hook, ident *bpf.Identifier) error {
 
 // ProgramFor is the program of ident that runs on the host veth's hook:
 // the pod's egress program on the veth's ingress, and the other way round.
-func ProgramFor(ident *bpf.Identifier, h attach.Hook) *ebpf.Program {
+func ProgramFor(ident *bpf.Datapath, h attach.Hook) *ebpf.Program {
 	if h == attach.HookIngress {
 		return ident.Egress
 	}

@@ -1,7 +1,7 @@
-// Package node owns the pin root: the identifiers pinned below it, their
+// Package pinroot owns the pin root: the identifiers pinned below it, their
 // member records and their locks. Everything that reads or changes an
-// identifier asks a Node for it and gets an Identifier, a handle that holds
-// the identifier's lock; package bpf is handed that handle's directory and
+// identifier asks a Root for it and gets a Hold, a handle that holds the
+// identifier's lock; package bpf is handed that handle's directory and
 // package membership its records, and neither works out where they live.
 //
 // It adds and removes members and pins in the order that keeps package
@@ -14,7 +14,7 @@
 //
 // Errors wrap one of ErrState, ErrDatapath or ErrAttach, which say which
 // part of the node failed: the plugin maps them to its CNI error codes.
-package node
+package pinroot
 
 import (
 	"errors"
@@ -44,58 +44,58 @@ func wrap(kind, err error) error {
 	return fmt.Errorf("%w: %w", kind, err)
 }
 
-// Node is the pin root of one node.
-type Node struct {
+// Root is the pin root of one node.
+type Root struct {
 	store *membership.Store
 }
 
-// New returns the node whose pins live below pinRoot.
-func New(pinRoot string) *Node { return &Node{store: membership.New(pinRoot)} }
+// New returns the pin root at pinRoot.
+func New(pinRoot string) *Root { return &Root{store: membership.New(pinRoot)} }
 
-// Root is the pin root.
-func (n *Node) Root() string { return n.store.Root() }
+// Path is the pin root's directory.
+func (n *Root) Path() string { return n.store.Root() }
 
 // Identifiers lists the identifiers that have a directory (pins, members
 // or both).
-func (n *Node) Identifiers() ([]podid.ID, error) { return n.store.Identifiers() }
+func (n *Root) Identifiers() ([]podid.ID, error) { return n.store.Identifiers() }
 
 // Lock takes the lock of an identifier that exists, waiting for another
 // holder; a missing identifier is membership.ErrNoIdentifier. Everything
 // but an ADD locks this way: it must not bring back an identifier that was
 // removed.
-func (n *Node) Lock(id podid.ID) (*Identifier, error) {
+func (n *Root) Lock(id podid.ID) (*Hold, error) {
 	l, err := n.store.Lock(id)
 	if err != nil {
 		return nil, err
 	}
-	return &Identifier{l}, nil
+	return &Hold{l}, nil
 }
 
 // LockOrCreate takes the identifier's lock, making its directory when it
 // is missing: an ADD's.
-func (n *Node) LockOrCreate(id podid.ID) (*Identifier, error) {
+func (n *Root) LockOrCreate(id podid.ID) (*Hold, error) {
 	l, err := n.store.LockOrCreate(id)
 	if err != nil {
 		return nil, err
 	}
-	return &Identifier{l}, nil
+	return &Hold{l}, nil
 }
 
 // FindContainer is the identifier that has a record of the container's
 // interface, or membership.ErrNotMember.
-func (n *Node) FindContainer(containerID, ifname string) (podid.ID, error) {
+func (n *Root) FindContainer(containerID, ifname string) (podid.ID, error) {
 	return n.store.FindContainer(containerID, ifname)
 }
 
 // PutTombstone records that the DEL of a member key ran, before the DEL
 // takes its identifier's lock (see package membership).
-func (n *Node) PutTombstone(key string, now time.Time) error {
+func (n *Root) PutTombstone(key string, now time.Time) error {
 	return wrap(ErrState, n.store.PutTombstone(key, now))
 }
 
 // ExpireTombstones removes the tombstones older than
 // membership.TombstoneTTL, and returns how many it removed.
-func (n *Node) ExpireTombstones(now time.Time) (int, error) {
+func (n *Root) ExpireTombstones(now time.Time) (int, error) {
 	k, err := n.store.ExpireTombstones(now.Add(-membership.TombstoneTTL))
 	return k, wrap(ErrState, err)
 }
@@ -104,12 +104,12 @@ func (n *Node) ExpireTombstones(now time.Time) (int, error) {
 // readers that must not wait behind an ADD and need nothing consistent
 // with the members (a metrics scrape). An identifier being created or
 // removed is an error.
-func (n *Node) Peek(id podid.ID) (bpf.IdentifierInfo, error) {
-	return bpf.InspectIdentifier(pinpath.Root(n.Root()).Identifier(id), id)
+func (n *Root) Peek(id podid.ID) (bpf.IdentifierInfo, error) {
+	return bpf.InspectIdentifier(pinpath.Root(n.Path()).Identifier(id), id)
 }
 
 // ScanIdentifier is Identifier.Scan in a hold of id's lock of its own.
-func (n *Node) ScanIdentifier(id podid.ID) (membership.Scan, error) {
+func (n *Root) ScanIdentifier(id podid.ID) (membership.Scan, error) {
 	return n.store.ScanIdentifier(id)
 }
 
@@ -132,7 +132,7 @@ type Collected struct {
 //
 // Without a record nothing can be detached, but the member's link pins go
 // with its directory (invariant 1: nothing else was attached for it).
-func (n *Node) Collect(id podid.ID, stale Stale) (Collected, error) {
+func (n *Root) Collect(id podid.ID, stale Stale) (Collected, error) {
 	var out Collected
 	h, err := n.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
@@ -177,7 +177,7 @@ func (n *Node) Collect(id podid.ID, stale Stale) (Collected, error) {
 // inUse locks id and returns its handle when it has members; nil (and no
 // error) when it is gone or has none, which is left to the collection of
 // orphans.
-func (n *Node) inUse(id podid.ID) (*Identifier, error) {
+func (n *Root) inUse(id podid.ID) (*Hold, error) {
 	h, err := n.Lock(id)
 	if errors.Is(err, membership.ErrNoIdentifier) {
 		return nil, nil
@@ -211,7 +211,7 @@ func (u Upgraded) Changed() bool {
 // which also moves members that a killed upgrade left on older programs.
 // Identifiers without members are left to the collection of orphans. It
 // goes on past an identifier it cannot upgrade and returns every failure.
-func (n *Node) Upgrade(g *bpf.Global) ([]Upgraded, error) {
+func (n *Root) Upgrade(g *bpf.Global) ([]Upgraded, error) {
 	ids, err := n.Identifiers()
 	if err != nil {
 		return nil, wrap(ErrState, err)
@@ -235,7 +235,7 @@ func (n *Node) Upgrade(g *bpf.Global) ([]Upgraded, error) {
 	return out, errors.Join(errs...)
 }
 
-func (n *Node) upgradeOne(g *bpf.Global, id podid.ID) (*Upgraded, error) {
+func (n *Root) upgradeOne(g *bpf.Global, id podid.ID) (*Upgraded, error) {
 	h, err := n.inUse(id)
 	if h == nil {
 		return nil, err
@@ -268,7 +268,7 @@ type Removed struct {
 // node, and its pods keep running, no longer fenced. A runtime's ADD or
 // DEL that waits for a lock meanwhile finds the identifier gone and does
 // what it does for a new or an absent one.
-func (n *Node) RemoveAll() (Removed, error) {
+func (n *Root) RemoveAll() (Removed, error) {
 	var r Removed
 	ids, err := n.Identifiers()
 	if err != nil {

@@ -1,4 +1,4 @@
-package node
+package pinroot
 
 import (
 	"errors"
@@ -45,7 +45,7 @@ type Applied struct {
 // ReapplyPolicies programs every identifier that has members with what
 // policyDir says for it, in the mode its state records, under its lock:
 // after the node's addresses change, the tries' always-allowed entries
-// follow (bpf.Identifier.ApplyPolicy writes them). A document that does
+// follow (bpf.Datapath.ApplyPolicy writes them). A document that does
 // not parse affects only the pods it selects (policy.ReadDir), and each
 // file that parses whole is kept as the last good version of its
 // documents. A policy directory that cannot be read changes nothing. What
@@ -56,7 +56,7 @@ type Applied struct {
 // A directory whose digest is unless (the one the caller last programmed)
 // is not programmed again: every identifier has it already, and an ADD
 // programs its own. The zero digest programs whatever the directory holds.
-func (n *Node) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Digest) (Applied, error) {
+func (n *Root) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Digest) (Applied, error) {
 	var a Applied
 	switch synced, err := policy.Synced(policyDir); {
 	case err != nil:
@@ -133,15 +133,15 @@ const levelBatch = 32
 // switched is an identifier whose new policy is in force, held until the
 // side it left is level.
 type switched struct {
-	h     *Identifier
-	ident *bpf.Identifier
+	h     *Hold
+	ident *bpf.Datapath
 	lv    *bpf.Leveling // nil: nothing left to do
 }
 
 // switchPolicy programs id, when it has members, with what want says for
 // the mode its state records, up to the switch (bpf.SwitchPolicy); nil
 // when there is nothing to program or it failed.
-func (n *Node) switchPolicy(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (*switched, error) {
+func (n *Root) switchPolicy(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (*switched, error) {
 	h, err := n.inUse(id)
 	if h == nil {
 		return nil, err // gone, or no member: nothing attached to program
@@ -187,7 +187,7 @@ func level(batch []*switched) error {
 // ApplyPolicy programs the identifier with what want says for the mode
 // its state records, in one opening of its pins: Open takes over pins of
 // an earlier build first.
-func (h *Identifier) ApplyPolicy(g *bpf.Global, want func(policy.Mode) policy.Set) (Upgraded, error) {
+func (h *Hold) ApplyPolicy(g *bpf.Global, want func(policy.Mode) policy.Set) (Upgraded, error) {
 	ident, up, err := h.Open(g)
 	if err != nil {
 		return up, err
@@ -219,8 +219,8 @@ const maxStatusError = 2048
 // loaded; nothing to say removes the record. The time of the first such
 // load in a row is kept. The record is a symlink whose target must stay
 // below PATH_MAX: the problems beyond maxStatusError bytes are counted.
-func (n *Node) recordPolicyStatus(err error, problems []string) error {
-	pinRoot := n.Root()
+func (n *Root) recordPolicyStatus(err error, problems []string) error {
+	pinRoot := n.Path()
 	path := pinpath.Root(pinRoot).PolicyError()
 	if err == nil && len(problems) == 0 {
 		if rerr := os.Remove(path); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
@@ -259,8 +259,8 @@ func (n *Node) recordPolicyStatus(err error, problems []string) error {
 
 // ReadPolicyStatus reads the record ReapplyPolicies left; false when
 // the policy directory loaded with nothing to report.
-func (n *Node) ReadPolicyStatus() (PolicyStatus, bool, error) {
-	target, ok, err := pinfs.ReadRecord(pinpath.Root(n.Root()).PolicyError())
+func (n *Root) ReadPolicyStatus() (PolicyStatus, bool, error) {
+	target, ok, err := pinfs.ReadRecord(pinpath.Root(n.Path()).PolicyError())
 	if err != nil {
 		return PolicyStatus{}, false, fmt.Errorf("read the policy error record: %w", err)
 	}
