@@ -10,15 +10,20 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/test/node"
 )
 
@@ -191,6 +196,9 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 	bin := raceSweeper(t)
 	isolateIngress(t, cs, ns, "race")
 	createDeployment(t, cs, ns, "race")
+	// The plugin's log, for what a failure's member went through.
+	const pluginLog = "/var/log/podfence-adoptrace.log"
+	setPluginLog(t, n, pluginLog)
 	chained := keepChain(t, n)
 	pauseSweeper(t, n)
 	t.Cleanup(func() { resumeSweeper(t, n) })
@@ -200,9 +208,9 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 	for round := range rounds {
 		// Pods podfence's ADD never sees: the primary CNI's template
 		// rewrote the conflist.
-		writeConflist(t, n, node.PrimaryConflist())
+		useConflist(t, n, node.PrimaryConflist(), false)
 		scale(t, cs, ns, "race", pods)
-		writeConflist(t, n, chained)
+		useConflist(t, n, chained, true)
 
 		// The kubelet's DELs (podfence's own, the chain is whole again)
 		// race the passes adopting these pods, then its ADDs of their
@@ -250,6 +258,11 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 	// A DEL the kubelet has in flight when its pod leaves the API
 	// finishes within seconds: only then is "none once deleted" due.
 	var ms []memberView
+	defer func() {
+		if t.Failed() {
+			explainMembers(t, n, ms, pluginLog)
+		}
+	}()
 	waitFor(t, "a member for each live pod and none for a deleted one", 30*time.Second, func() error {
 		var err error
 		if ms, err = members(n, bin, ns); err != nil {
@@ -287,4 +300,61 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 			t.Errorf("pod %s (veth %s): attached %v, hooks %v, want one of each", live[m.IPs[0]], m.HostVeth, m.Attached, h)
 		}
 	}
+}
+
+// explainMembers logs, for each member whose veth is gone, what the
+// plugin's log and containerd's log say of its container.
+func explainMembers(t *testing.T, n *node.Node, ms []memberView, pluginLog string) {
+	plugin, _ := n.Exec("cat", pluginLog).Output()
+	containerd, _ := os.ReadFile(filepath.Join(n.State, "logs", "containerd.log"))
+	for _, m := range ms {
+		if m.VethPresent {
+			continue
+		}
+		var lines []string
+		for _, src := range [][]byte{plugin, containerd} {
+			for _, l := range strings.Split(string(src), "\n") {
+				if strings.Contains(l, m.ContainerID[:12]) {
+					lines = append(lines, l)
+				}
+			}
+		}
+		t.Logf("member %.12s (veth %s): what the plugin and containerd logged of it:\n%s", m.ContainerID, m.HostVeth, strings.Join(lines, "\n"))
+	}
+}
+
+// useConflist writes the node's conflist and waits until containerd has
+// loaded it, which it does on the directory's inotify events, in its own
+// time: pods started or stopped right after a rewrite otherwise meet the
+// list before (seen under load: ADDs through podfence a second after the
+// test took it out of the chain, DELs without it seconds after it was put
+// back, which left members no DEL of podfence's ever saw). chained says
+// whether the list has podfence; containerd's verbose CRI status holds the
+// lists it loaded ("cniconfig").
+func useConflist(t *testing.T, n *node.Node, conf string, chained bool) {
+	t.Helper()
+	writeConflist(t, n, conf)
+	sock := "unix:///proc/" + strconv.Itoa(n.PID) + "/root/run/containerd/containerd.sock"
+	conn, err := grpc.NewClient(sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	rs := runtimeapi.NewRuntimeServiceClient(conn)
+	waitFor(t, fmt.Sprintf("containerd to load the conflist (podfence chained: %v)", chained), 30*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		st, err := rs.Status(ctx, &runtimeapi.StatusRequest{Verbose: true})
+		if err != nil {
+			return err
+		}
+		loaded, ok := st.GetInfo()["cniconfig"]
+		if !ok {
+			return errors.New("no cniconfig in containerd's status")
+		}
+		if strings.Contains(loaded, cniconf.PluginType) != chained {
+			return errors.New("not yet")
+		}
+		return nil
+	})
 }
