@@ -159,7 +159,7 @@ func (k *chainKeeper) check(why string) {
 	if err != nil {
 		k.intact.Set(0)
 		level := slog.LevelError
-		if errors.Is(err, os.ErrNotExist) || strings.Contains(err.Error(), "no .conflist") {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, cniconf.ErrNoConflist) {
 			level = slog.LevelWarn // the primary CNI has not written it yet
 		}
 		k.log.Log(context.Background(), level, "podfence is not in the CNI chain and cannot be put back: new pods are not fenced", "why", why, "error", err)

@@ -36,6 +36,10 @@ const (
 // "plugins" array of objects that each have a string "type".
 var ErrMalformed = errors.New("malformed CNI conflist")
 
+// ErrNoConflist is wrapped by FindConflist when the directory holds none:
+// the primary CNI has not written its configuration yet.
+var ErrNoConflist = errors.New("no .conflist")
+
 // field is one top-level member, kept as its bytes.
 type field struct {
 	key string
@@ -229,7 +233,7 @@ func FindConflist(dir string) (string, error) {
 		}
 	}
 	if len(names) == 0 {
-		return "", fmt.Errorf("no .conflist in %s: the primary CNI has not written its configuration yet", dir)
+		return "", fmt.Errorf("%w in %s: the primary CNI has not written its configuration yet", ErrNoConflist, dir)
 	}
 	sort.Strings(names)
 	return filepath.Join(dir, names[0]), nil

@@ -129,8 +129,8 @@ func TestFindConflist(t *testing.T) {
 	if err != nil || filepath.Base(got) != "10-aws.conflist" {
 		t.Fatalf("FindConflist: %s, %v; want 10-aws.conflist", got, err)
 	}
-	if _, err := FindConflist(t.TempDir()); err == nil {
-		t.Error("an empty directory has a conflist")
+	if _, err := FindConflist(t.TempDir()); !errors.Is(err, ErrNoConflist) {
+		t.Errorf("FindConflist of an empty directory: %v, want ErrNoConflist", err)
 	}
 }
 
