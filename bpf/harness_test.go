@@ -26,7 +26,7 @@ type harness struct {
 func newHarness(tb testing.TB) *harness {
 	tb.Helper()
 	root := kernel.PinRoot(tb)
-	g, err := OpenGlobal(root)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -225,3 +225,6 @@ func onOneCPU(tb testing.TB) (restore func()) {
 
 // identDir is id's directory below root, as the pin root's owner gives it.
 func identDir(root string, id podid.ID) string { return pinpath.Root(root).Identifier(id) }
+
+// globalDir is where a pin root keeps the node-wide maps.
+func globalDir(root string) string { return pinpath.Root(root).Global() }

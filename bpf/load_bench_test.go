@@ -13,7 +13,7 @@ import (
 // reuses the pins.
 func BenchmarkOpenIdentifier(b *testing.B) {
 	root := kernel.PinRoot(b)
-	g, err := OpenGlobal(root)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -2,7 +2,6 @@ package bpf
 
 import (
 	"cmp"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"maps"
@@ -181,28 +180,22 @@ type Global struct {
 	dir string // where they are pinned; SyncNodeAddrs locks it
 }
 
-// OpenGlobal opens the node-wide maps pinned below pinRoot, creating and
-// pinning them on first use, with the default GlobalOptions.
-func OpenGlobal(pinRoot string) (*Global, error) {
-	return OpenGlobalWith(pinRoot, GlobalOptions{})
-}
-
-// OpenGlobalWith is OpenGlobal with the node's settings. Pins of an
-// earlier layout are taken over (see renew.go), unless opts.KeepLayout:
-// maps this layout keeps are reused, others replaced by new ones, under the
-// global directory's lock held exclusively. Every opener holds it shared
-// while it opens, so none sees a renewal half done; a process that opened
-// the maps before a renewal keeps the replaced ones, which is why only a
-// new build's plugin and sweeper renew. A pin that cannot be taken over,
-// or another size than opts asks for, is an error wrapping
+// OpenGlobal opens the node-wide maps pinned in dir (package pinroot says
+// where), creating and pinning them on first use, with the node's settings.
+// Pins of an earlier layout are taken over (see renew.go), unless
+// opts.KeepLayout: maps this layout keeps are reused, others replaced by
+// new ones, under the directory's lock held exclusively. Every opener holds
+// it shared while it opens, so none sees a renewal half done; a process
+// that opened the maps before a renewal keeps the replaced ones, which is
+// why only a new build's plugin and sweeper renew. A pin that cannot be
+// taken over, or another size than opts asks for, is an error wrapping
 // ErrIncompatiblePin; pins of a later layout, ErrNewerLayout.
-func OpenGlobalWith(pinRoot string, opts GlobalOptions) (*Global, error) {
+func OpenGlobal(dir string, opts GlobalOptions) (*Global, error) {
 	for _, n := range []uint32{opts.CTv4Entries, opts.CTv6Entries} {
 		if err := CheckCTEntries(n); err != nil {
 			return nil, err
 		}
 	}
-	dir := pinpath.Root(pinRoot).Global()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create pin directory: %w", err)
 	}
@@ -804,60 +797,6 @@ func PinnedProgramIDs(dir string) (ingress, egress ebpf.ProgramID, err error) {
 	return ingress, egress, nil
 }
 
-// CheckPinRoot reports whether pinRoot is on a mounted bpffs and writable
-// (creating it when missing).
-func CheckPinRoot(pinRoot string) error {
-	if err := os.MkdirAll(pinRoot, 0o700); err != nil {
-		return fmt.Errorf("pin root %s: %w", pinRoot, err)
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(pinRoot, &st); err != nil {
-		return fmt.Errorf("pin root %s: %w", pinRoot, err)
-	}
-	if st.Type != unix.BPF_FS_MAGIC {
-		return fmt.Errorf("pin root %s is not on bpffs (mount -t bpf bpf /sys/fs/bpf)", pinRoot)
-	}
-	probe, err := os.MkdirTemp(pinRoot, "status-probe-")
-	if err != nil {
-		return fmt.Errorf("pin root %s is not writable: %w", pinRoot, err)
-	}
-	return os.Remove(probe)
-}
-
-// CheckLoadCached is CheckLoad, done once per datapath build and kernel:
-// runtimes poll STATUS, and loading the programs costs the verifier's time
-// on every call. A success leaves a marker below pinRoot named by a hash
-// of the object file and the kernel's release and version; bpffs is
-// memory, so a reboot (a new kernel) clears it. It reports whether the
-// marker spared the load.
-func CheckLoadCached(pinRoot string) (cached bool, err error) {
-	marker, err := statusMarker(pinRoot)
-	if err != nil {
-		return false, err
-	}
-	if _, err := os.Stat(marker); err == nil {
-		return true, nil
-	}
-	if err := CheckLoad(); err != nil {
-		return false, err
-	}
-	// A failure to leave the marker costs the next call a load, no more.
-	_ = os.MkdirAll(marker, 0o700)
-	return false, nil
-}
-
-func statusMarker(pinRoot string) (string, error) {
-	var u unix.Utsname
-	if err := unix.Uname(&u); err != nil {
-		return "", fmt.Errorf("uname: %w", err)
-	}
-	h := sha256.New()
-	h.Write(_PodfenceBytes)
-	h.Write(u.Release[:])
-	h.Write(u.Version[:])
-	return filepath.Join(pinpath.Root(pinRoot).Status(), fmt.Sprintf("verified-%x", h.Sum(nil)[:12])), nil
-}
-
 // CheckLoad loads both programs, with throwaway single-entry maps, and
 // unloads them: the kernel accepts this datapath.
 func CheckLoad() error {
@@ -875,44 +814,5 @@ func CheckLoad() error {
 		return fmt.Errorf("load datapath: %w", err)
 	}
 	coll.Close()
-	return nil
-}
-
-// RemoveNode removes the pin root's node-wide pins (the global maps, the
-// verified-build marks, the DELs' tombstones, the policy error) and then the root itself, once
-// RemoveIdentifier has emptied its identifiers. Loaded programs hold
-// their maps, so it is for a node podfence leaves. Without the global
-// layout marker (not a pin root of podfence's, or one already removed) it
-// removes nothing but empty directories, so a wrong root loses nothing of
-// another's; a root that still holds something else stays, and the error
-// says so.
-func RemoveNode(pinRoot string) error {
-	r := pinpath.Root(pinRoot)
-	_, err := os.Lstat(filepath.Join(r.Global(), pinpath.Layout))
-	switch {
-	case errors.Is(err, os.ErrNotExist):
-		// No global pins of podfence's here: only empty directories go.
-		for _, p := range []string{r.Identifiers(), pinRoot} {
-			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return fmt.Errorf("remove node pins: %s has no layout marker of podfence's; %w", r.Global(), err)
-			}
-		}
-		return nil
-	case err != nil:
-		return fmt.Errorf("remove node pins: %w", err)
-	}
-	for _, dir := range []string{r.Global(), r.Status(), r.Tombstones()} {
-		if err := os.RemoveAll(dir); err != nil {
-			return fmt.Errorf("remove node pins: %w", err)
-		}
-	}
-	// A policy error record's temporary name too, left by a writer
-	// killed halfway (under this build's name or the one before).
-	for _, p := range []string{r.PolicyError(), filepath.Join(pinRoot, pinpath.PolicyErrorTemp),
-		filepath.Join(pinRoot, pinpath.PolicyErrorTempV2), r.Identifiers(), pinRoot} {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("remove node pins: %w", err)
-		}
-	}
 	return nil
 }

@@ -39,7 +39,7 @@ func mapID(t *testing.T, m *ebpf.Map) ebpf.MapID {
 func openGlobal(t *testing.T) (string, *Global) {
 	t.Helper()
 	root := kernel.PinRoot(t)
-	g, err := OpenGlobal(root)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +86,7 @@ func TestOpenIdentifierReusesPins(t *testing.T) {
 	if progID(t, other.Ingress) == progID(t, first.Ingress) {
 		t.Error("two identifiers share a program")
 	}
-	g2, err := OpenGlobal(root)
+	g2, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -200,7 +200,7 @@ func TestGlobalCreationRace(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			g, err := OpenGlobal(root)
+			g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 			if err != nil {
 				errs[i] = err
 				return
@@ -311,7 +311,7 @@ func TestModeRecorded(t *testing.T) {
 // with an error that names both sizes.
 func TestConntrackTableSize(t *testing.T) {
 	root := kernel.PinRoot(t)
-	g, err := OpenGlobalWith(root, GlobalOptions{CTv4Entries: 4096, CTv6Entries: 2048})
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{CTv4Entries: 4096, CTv6Entries: 2048})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,7 +325,7 @@ func TestConntrackTableSize(t *testing.T) {
 	}
 	ident.Close()
 
-	_, err = OpenGlobal(root)
+	_, err = OpenGlobal(globalDir(root), GlobalOptions{})
 	if !errors.Is(err, ErrTableSize) || !errors.Is(err, ErrIncompatiblePin) {
 		t.Fatalf("default size over pins of 4096: got %v, want ErrTableSize", err)
 	}
@@ -334,7 +334,7 @@ func TestConntrackTableSize(t *testing.T) {
 			t.Errorf("error %q does not mention %s", err, want)
 		}
 	}
-	if _, err := OpenGlobalWith(root, GlobalOptions{CTv4Entries: 100}); err == nil {
+	if _, err := OpenGlobal(globalDir(root), GlobalOptions{CTv4Entries: 100}); err == nil {
 		t.Error("a table of 100 entries was accepted")
 	}
 }

@@ -386,7 +386,7 @@ func TestRenewIdentifier(t *testing.T) {
 func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 	kernel.RequireRoot(t)
 	root := kernel.PinRoot(t)
-	first, err := OpenGlobal(root)
+	first, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -405,7 +405,7 @@ func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 	}
 
 	// An inspection open takes nothing over and writes nothing.
-	if _, err := OpenGlobalWith(root, GlobalOptions{KeepLayout: true}); !errors.Is(err, ErrIncompatiblePin) {
+	if _, err := OpenGlobal(globalDir(root), GlobalOptions{KeepLayout: true}); !errors.Is(err, ErrIncompatiblePin) {
 		t.Errorf("KeepLayout open of an earlier event budget: %v, want ErrIncompatiblePin", err)
 	}
 	if _, ok, _ := readMarker(dir); ok {
@@ -417,7 +417,7 @@ func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 		m.Close()
 	}
 
-	g, err := OpenGlobal(root)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -438,7 +438,7 @@ func TestOpenGlobalRenewsExpendableMaps(t *testing.T) {
 func TestKeepLayoutCreatesNothing(t *testing.T) {
 	kernel.RequireRoot(t)
 	root := kernel.PinRoot(t)
-	if _, err := OpenGlobalWith(root, GlobalOptions{KeepLayout: true}); !errors.Is(err, errNotPinned) {
+	if _, err := OpenGlobal(globalDir(root), GlobalOptions{KeepLayout: true}); !errors.Is(err, errNotPinned) {
 		t.Fatalf("KeepLayout open of an empty pin root: %v, want errNotPinned", err)
 	}
 	if entries, _ := os.ReadDir(pinpath.Root(root).Global()); len(entries) != 0 {
@@ -469,7 +469,7 @@ func TestNewerLayoutRefused(t *testing.T) {
 	if err := writeMarker(pinpath.Root(root).Global(), newer); err != nil {
 		t.Fatal(err)
 	}
-	_, err := OpenGlobal(root)
+	_, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if !errors.Is(err, ErrNewerLayout) || !strings.Contains(err.Error(), fmt.Sprintf("layout %d", newer.version)) {
 		t.Errorf("open global pins of layout %d: %v, want ErrNewerLayout naming it", newer.version, err)
 	}

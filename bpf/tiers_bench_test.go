@@ -149,7 +149,7 @@ func BenchmarkTiers(b *testing.B) {
 func BenchmarkClusterChange(b *testing.B) {
 	const identifiers = 100
 	root := kernel.PinRoot(b)
-	g, err := OpenGlobal(root)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
 	if err != nil {
 		b.Fatal(err)
 	}

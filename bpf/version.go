@@ -152,8 +152,10 @@ func unconvertible(from uint32) (name string, since uint32, ok bool) {
 	return "", 0, false
 }
 
-// objectID names this build's datapath object: the pinned programs of an
+// ObjectID names this build's datapath object: the pinned programs of an
 // identifier whose marker names another object are another build's.
+func ObjectID() string { return objectID() }
+
 var objectID = sync.OnceValue(func() string {
 	sum := sha256.Sum256(_PodfenceBytes)
 	return hex.EncodeToString(sum[:8])

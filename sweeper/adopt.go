@@ -137,15 +137,15 @@ func cmdAdopt(args []string, stdout, stderr io.Writer) error {
 	defer cri.Close()
 	// Made if missing, as run makes them: the first adopted pod's flows
 	// are seeded into them.
-	g, err := openGlobal(&c, serve)
+	root, err := openRoot(&c, serve)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
+	defer root.Close()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	start := time.Now()
-	r, err := adopt.Pass(ctx, adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Global: g})
+	r, err := adopt.Pass(ctx, adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Root: root, Seed: true})
 	if err != nil {
 		return err
 	}

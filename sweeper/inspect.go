@@ -65,10 +65,12 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if err := checkPinRoot(c.pinRoot, false); err != nil {
+	root, err := openRoot(&c, records)
+	if err != nil {
 		return err
 	}
-	idents, err := readIdentifiers(c.pinRoot)
+	defer root.Close()
+	idents, err := readIdentifiers(root)
 	if err != nil {
 		return err
 	}
@@ -76,7 +78,7 @@ func cmdLs(args []string, stdout, stderr io.Writer) error {
 	for _, s := range idents {
 		views = append(views, s.view())
 	}
-	ps, recorded, err := pinroot.New(c.pinRoot).ReadPolicyStatus()
+	ps, recorded, err := root.ReadPolicyStatus()
 	if err != nil {
 		return err
 	}
@@ -156,8 +158,7 @@ type identCounters struct {
 // without a look at its members (netlink, hooks): what the metrics and
 // trace's totals need, at every scrape or event batch. An identifier being
 // created or removed is left out.
-func readCounters(pinRoot string) ([]identCounters, error) {
-	pins := pinroot.New(pinRoot)
+func readCounters(pins *pinroot.Root) ([]identCounters, error) {
 	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
@@ -227,12 +228,16 @@ func cmdDumpConntrack(args []string, stdout, stderr io.Writer) error {
 		}
 		want = a.Unmap()
 	}
-	g, err := openGlobal(&c, inspect)
+	root, err := openRoot(&c, inspect)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
-	own := owners(c.pinRoot)
+	defer root.Close()
+	g, err := root.Global()
+	if err != nil {
+		return err
+	}
+	own := owners(root)
 	now := sweep.Monotonic()
 	views := []entryView{}
 	err = g.ScanConntrack(func(batch []bpf.CTEntry) error {
@@ -305,17 +310,17 @@ func cmdSweep(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	c.warnGrace(stderr)
-	g, err := openGlobal(&c, inspect)
+	root, err := openRoot(&c, inspect)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
-	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Record: true, Log: discardLog()})
+	defer root.Close()
+	s, err := sweep.New(root, sweep.Options{Grace: c.grace, OrphanGrace: c.orphanGrace, Record: true, Log: discardLog()})
 	if err != nil {
 		return err
 	}
 	defer s.Close()
-	own := owners(c.pinRoot) // before the pass: an orphan's entries still name it
+	own := owners(root) // before the pass: an orphan's entries still name it
 	rep, err := s.Pass()
 	if err != nil {
 		return err
@@ -387,17 +392,21 @@ func cmdApply(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, upgrade)
+	root, err := openRoot(&c, upgrade)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
+	defer root.Close()
+	g, err := root.Global()
+	if err != nil {
+		return err
+	}
 	// The node's addresses go into every identifier's tries with the
 	// policy, as run writes them: read them now, not at the last ADD.
 	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
 		return err
 	}
-	a, err := pinroot.New(c.pinRoot).ReapplyPolicies(g, *policyDir, policy.Digest{})
+	a, err := root.ReapplyPolicies(*policyDir, policy.Digest{})
 	if err != nil {
 		return err
 	}

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/pinroot"
@@ -150,7 +149,8 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 	if chainErr != nil {
 		fmt.Fprintf(stderr, "podfence-sweeper uninstall: %v; taking the hooks off anyway\n", chainErr)
 	}
-	r, err := pinroot.New(c.pinRoot).RemoveAll()
+	pins := pinroot.At(c.pinRoot)
+	r, err := pins.RemoveAll()
 	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)
 	if err != nil {
 		return fmt.Errorf("uninstall: %w (run it again to finish)", err)
@@ -158,7 +158,7 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 	if len(r.Kept) > 0 {
 		return fmt.Errorf("uninstall: identifiers %v kept: a member record podfence cannot read stands for hooks it does not know; see ls", r.Kept)
 	}
-	if err := bpf.RemoveNode(c.pinRoot); err != nil {
+	if err := pins.Remove(); err != nil {
 		return errors.Join(chainErr, err)
 	}
 	fmt.Fprintf(stdout, "removed %s\n", c.pinRoot)

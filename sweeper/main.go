@@ -22,10 +22,9 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/sweep"
 )
 
@@ -267,62 +266,46 @@ func (c *common) globalOptions() (bpf.GlobalOptions, error) {
 	return bpf.GlobalOptions{CTv4Entries: uint32(c.ctV4), CTv6Entries: uint32(c.ctV6)}, nil
 }
 
-// checkPinRoot refuses a pin root that is missing or not on bpffs, with
-// what to do about it. create makes a missing one (run: the sweeper may
-// start before the node's first pod).
-func checkPinRoot(root string, create bool) error {
-	if create {
-		if err := os.MkdirAll(root, 0o700); err != nil {
-			return fmt.Errorf("pin root %s: %w", root, err)
-		}
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(root, &st); errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("pin root %s does not exist: no pod has been added on this node, or --pin-root differs from the plugin's pinRoot", root)
-	} else if err != nil {
-		return fmt.Errorf("pin root %s: %w", root, err)
-	}
-	if st.Type != unix.BPF_FS_MAGIC {
-		return fmt.Errorf("pin root %s is not on bpffs (mount -t bpf bpf /sys/fs/bpf)", root)
-	}
-	return nil
-}
-
-// How a command opens the node's maps.
-type globalUse uint8
+// How a command opens the pin root.
+type rootUse uint8
 
 const (
+	// records: the pin root must exist; the node-wide maps are not
+	// needed (ls reads the identifiers and their records).
+	records rootUse = iota
 	// inspect: the maps must exist, and pins of an earlier layout are
 	// refused rather than taken over, so that a newer tool run on a node
 	// does not upgrade it.
-	inspect globalUse = iota
+	inspect
 	// upgrade: the maps must exist; pins of an earlier layout are taken over.
 	upgrade
-	// serve: run's, which also makes the maps on a node without them.
+	// serve: run's and adopt's, which also make the pin root and the maps
+	// on a node without them (the sweeper may start before its first pod).
 	serve
 )
 
-// openGlobal opens the node's maps for use.
-func openGlobal(c *common, use globalUse) (*bpf.Global, error) {
+// openRoot opens the pin root for a command's use, with the node-wide maps
+// open already unless the use is records, so that a node without them is
+// refused at once with what to do about it.
+func openRoot(c *common, use rootUse) (*pinroot.Root, error) {
 	opts, err := c.globalOptions()
 	if err != nil {
 		return nil, err
 	}
-	opts.KeepLayout = use == inspect
-	create := use == serve
-	if err := checkPinRoot(c.pinRoot, create); err != nil {
+	opts.KeepLayout = use == inspect || use == records
+	root, err := pinroot.Open(c.pinRoot, pinroot.Options{Create: use == serve, Global: opts})
+	if errors.Is(err, pinroot.ErrNoPinRoot) {
+		return nil, fmt.Errorf("%w: no pod has been added on this node, or --pin-root differs from the plugin's pinRoot", err)
+	}
+	if err != nil {
 		return nil, err
 	}
-	if !create {
-		if _, err := os.Stat(pinpath.Root(c.pinRoot).Global()); err != nil {
-			return nil, fmt.Errorf("no global maps in %s: no pod has been added on this node yet", c.pinRoot)
+	if use != records {
+		if _, err := root.Global(); err != nil {
+			return nil, err
 		}
 	}
-	g, err := bpf.OpenGlobalWith(c.pinRoot, opts)
-	if err != nil {
-		return nil, fmt.Errorf("open the node's maps: %w", err)
-	}
-	return g, nil
+	return root, nil
 }
 
 // defaultPolicyDir is the plugin's default policyDir.

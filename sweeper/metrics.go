@@ -3,8 +3,8 @@ package main
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/liveness"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/sweep"
 )
@@ -38,7 +38,7 @@ type metrics struct {
 	mirrorErrors       prometheus.Counter
 }
 
-func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
+func newMetrics(reg prometheus.Registerer, pins *pinroot.Root) *metrics {
 	m := &metrics{
 		passDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "podfence_sweep_pass_duration_seconds", Help: "Duration of full reconciliation passes.",
@@ -94,7 +94,7 @@ func newMetrics(reg prometheus.Registerer, pinRoot string) *metrics {
 		m.eventDeletes, m.orphans, m.nodeAddrSyncs, m.policyApplies, m.policyErrors, m.policyValid,
 		m.documentsInvalid, m.rulesNotEnforced, m.programmingLatency,
 		m.mirrorSynced, m.mirrorObjects, m.mirrorInvalid, m.mirrorCluster, m.mirrorWrites, m.mirrorErrors,
-		&packetCollector{pinRoot: pinRoot})
+		&packetCollector{pins: pins})
 	// Every reason appears from the start, at 0.
 	for r := range liveness.DeletedDead + 1 {
 		m.entries.WithLabelValues(decision(r), r.String())
@@ -125,7 +125,7 @@ func (m *metrics) pass(rep sweep.Report, err error) {
 
 // packetCollector reports the datapath's per-identifier counters at
 // scrape time: they are the kernel's, not the sweeper's.
-type packetCollector struct{ pinRoot string }
+type packetCollector struct{ pins *pinroot.Root }
 
 var packetsDesc = prometheus.NewDesc("podfence_identifier_packets_total",
 	"Packets the identifier's programs judged, by verdict.", []string{"identifier", "verdict"}, nil)
@@ -133,7 +133,7 @@ var packetsDesc = prometheus.NewDesc("podfence_identifier_packets_total",
 func (c *packetCollector) Describe(ch chan<- *prometheus.Desc) { ch <- packetsDesc }
 
 func (c *packetCollector) Collect(ch chan<- prometheus.Metric) {
-	counts, err := readCounters(c.pinRoot)
+	counts, err := readCounters(c.pins)
 	if err != nil {
 		return
 	}
@@ -156,11 +156,15 @@ func (m *metrics) mirror(rep policymirror.Report, err error) {
 
 // registerDroppedEvents reports the deny events the datapath did not write
 // (rate limit, full ring buffer), read from the node's maps at each scrape.
-func registerDroppedEvents(reg prometheus.Registerer, g *bpf.Global) {
+func registerDroppedEvents(reg prometheus.Registerer, pins *pinroot.Root) {
 	reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "podfence_deny_events_dropped_total",
 		Help: "Deny events the datapath did not write: over its rate limit (about one per millisecond per CPU, bursts of 64) or with the ring buffer full.",
 	}, func() float64 {
+		g, err := pins.Global()
+		if err != nil {
+			return 0
+		}
 		n, _ := g.DroppedEvents()
 		return float64(n)
 	}))

@@ -5,13 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -21,7 +19,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/nodeaddr"
@@ -94,19 +91,19 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		log.Warn("--grace 0: a new flow's entry may be deleted before netfilter creates its kernel flow; its next packet is then judged again by policy")
 	}
 
-	g, err := openGlobal(&c, serve)
+	root, err := openRoot(&c, serve)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
+	defer root.Close()
 	// Before anything programs the identifiers: pins and pods of an
 	// earlier build move onto this one's datapath (the plugin does the
 	// same for each identifier it adds a pod to).
 	start := time.Now()
-	rep, err := upgradeNode(g, c.pinRoot)
+	rep, err := upgradeNode(root)
 	logUpgrade(log, rep, time.Since(start), err)
 	warnAWSAgent(log)
-	s, err := sweep.New(g, sweep.Options{PinRoot: c.pinRoot, Grace: c.grace, OrphanGrace: c.orphanGrace, Log: log})
+	s, err := sweep.New(root, sweep.Options{Grace: c.grace, OrphanGrace: c.orphanGrace, Log: log})
 	if err != nil {
 		return err
 	}
@@ -115,14 +112,14 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
 	r := &runner{
-		s: s, g: g, log: log, pinRoot: c.pinRoot, policyDir: *policyDir,
+		s: s, pins: root, log: log, policyDir: *policyDir,
 		interval: sweep.Interval{Min: *minInterval, Max: *maxInterval},
 		wake:     make(chan struct{}, 1),
 		events:   ctnetlink.EventsOptions{ReadBuffer: *eventBuffer},
 	}
 	reg := prometheus.NewRegistry()
-	r.m = newMetrics(reg, c.pinRoot)
-	registerDroppedEvents(reg, r.g)
+	r.m = newMetrics(reg, root)
+	registerDroppedEvents(reg, root)
 	if *keepChained {
 		r.chain = newChainKeeper(cf, keeperConf, keeperBin, log, reg)
 	}
@@ -132,7 +129,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 			return usageError{fmt.Errorf("--cri-socket: %w", err)}
 		}
 		defer cri.Close()
-		r.adopt = newAdopter(adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Global: g}, *adoptInterval, log, reg)
+		r.adopt = newAdopter(adopt.Options{Runtime: cri, Conflist: cf.read, BinDir: cf.binDir, Root: root, Seed: true}, *adoptInterval, log, reg)
 		if r.chain != nil {
 			r.chain.repaired = r.adopt.wake
 		}
@@ -162,10 +159,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 // runner is the DaemonSet loop's state.
 type runner struct {
 	s         *sweep.Sweeper
-	g         *bpf.Global
+	pins      *pinroot.Root
 	m         *metrics
 	log       *slog.Logger
-	pinRoot   string
 	policyDir string
 	mirror    *policymirror.Mirror // nil with --policy-source=files
 	chain     *chainKeeper         // nil without --keep-chained
@@ -286,49 +282,14 @@ func (r *runner) loop(ctx context.Context) error {
 	r.syncNodeAddrs()
 
 	// Policy changes are programmed as they settle; the directory is read
-	// once now, for changes made while no sweeper ran.
-	watch := func() (*policywatch.Watcher, error) {
-		if err := os.MkdirAll(r.policyDir, 0o755); err != nil { // removed: no documents
-			return nil, fmt.Errorf("policy directory: %w", err)
-		}
-		return policywatch.New(r.policyDir, 0)
-	}
-	pw, err := watch()
+	// once at the start, for changes made while no sweeper ran.
+	follow, err := policywatch.Follow(r.policyDir, 0)
 	if err != nil {
 		return err
 	}
-	defer func() { pw.Close() }()
-	// The cluster policies' subdirectory is watched on its own (inotify
-	// follows one directory), while it exists: made here at the start,
-	// and followed again once it is back after a removal, which the
-	// policy directory's own watcher sees.
-	clusterDir := filepath.Join(r.policyDir, policy.ClusterDir)
-	if err := os.MkdirAll(clusterDir, 0o755); err != nil {
-		return fmt.Errorf("cluster policy directory: %w", err)
-	}
-	var cw *policywatch.Watcher
-	watchCluster := func() {
-		if cw != nil {
-			return
-		}
-		w, err := policywatch.New(clusterDir, 0)
-		switch {
-		case errors.Is(err, fs.ErrNotExist):
-		case err != nil:
-			r.log.Error("cannot follow the cluster policy directory; its files are read at the next change of the policy directory", "error", err)
-		default:
-			cw = w
-		}
-	}
-	watchCluster()
-	defer func() {
-		if cw != nil {
-			cw.Close()
-		}
-	}()
-	r.applyPolicies(pushStart)
+	defer follow.Close()
 
-	// The mirror writes into the directory pw follows, and also says when
+	// The mirror writes into the directory followed, and also says when
 	// it wrote and when its first sync is complete.
 	var mirrored <-chan struct{}
 	if r.mirror != nil {
@@ -341,78 +302,51 @@ func (r *runner) loop(ctx context.Context) error {
 			}
 		}()
 	}
+	sc := schedule{interval: r.interval, wake: r.wake, addrs: addrs, policy: follow.C, mirrored: mirrored}
+	sc.run(ctx, r)
+	r.log.Info("stopping", "reason", context.Cause(ctx))
+	return nil
+}
 
-	wait := r.interval.Min
-	timer := time.NewTimer(0)
-	defer timer.Stop()
-	for {
-		watchCluster()
-		var clusterChanged, clusterFailed <-chan struct{} // nil: never ready
-		if cw != nil {
-			clusterChanged, clusterFailed = cw.C, cw.Failed
-		}
-		select {
-		case <-ctx.Done():
-			// A pass is never interrupted: this select runs between them.
-			r.log.Info("stopping", "reason", context.Cause(ctx))
-			return nil
-		case <-addrs:
-			r.syncNodeAddrs()
-			continue
-		case <-pw.C:
-			// Also what the mirror's own writes look like: applied once,
-			// by whichever of the two comes first (a change's push skips
-			// a directory that is programmed already).
-			r.applyPolicies(pushFilesChanged)
-			continue
-		case <-clusterChanged:
-			r.applyPolicies(pushClusterFilesChanged)
-			continue
-		case <-mirrored:
-			select {
-			case <-r.mirror.Synced():
-				r.m.mirrorSynced.Set(1)
-			default:
-			}
-			r.applyPolicies(pushMirrored)
-			continue
-		case <-pw.Failed:
-			r.log.Error("following the policy directory stopped; watching it again", "error", pw.Err())
-			pw.Close()
-			if pw, err = watch(); err != nil {
-				return err
-			}
-			r.applyPolicies(pushWatchedAgain)
-			continue
-		case <-clusterFailed:
-			// Removed (with the policy directory, say): its policies no
-			// longer apply. It is followed again when it is back.
-			r.log.Info("the cluster policy directory is gone: no cluster policy applies until it is back", "reason", cw.Err())
-			cw.Close()
-			cw = nil
-			r.applyPolicies(pushClusterDirGone)
-			continue
-		case <-r.wake:
-		case <-timer.C:
-		}
-		rep, err := r.s.Pass()
-		r.m.pass(rep, err)
-		r.healthy.Store(err == nil)
-		if err != nil {
-			r.log.Error("pass failed: nothing deleted after the failure", "error", err)
-		} else {
-			r.logPass(rep)
-		}
-		fill := max(rep.Fill[0], rep.Fill[1])
-		wait = r.interval.Next(wait, fill, rep.Deleted, rep.Scanned)
-		if !timer.Stop() {
-			select {
-			case <-timer.C:
-			default:
-			}
-		}
-		timer.Reset(wait)
+// pass runs a full pass, and returns when the next is due after one
+// waited for since the last.
+func (r *runner) pass(waited time.Duration) time.Duration {
+	rep, err := r.s.Pass()
+	r.m.pass(rep, err)
+	r.healthy.Store(err == nil)
+	if err != nil {
+		r.log.Error("pass failed: nothing deleted after the failure", "error", err)
+	} else {
+		r.logPass(rep)
 	}
+	fill := max(rep.Fill[0], rep.Fill[1])
+	return r.interval.Next(waited, fill, rep.Deleted, rep.Scanned)
+}
+
+// policyChanged is what the follower of the policy directory saw.
+func (r *runner) policyChanged(e policywatch.Event) {
+	switch {
+	case e.Problem != nil:
+		r.log.Error("cannot follow the policy directory in full; its files are read at its next change", "error", e.Problem)
+		return
+	case e.Change == policywatch.WatchedAgain:
+		r.log.Error("following the policy directory stopped; watching it again", "error", e.Err)
+	case e.Change == policywatch.ClusterGone:
+		// Removed (with the policy directory, say): its policies no
+		// longer apply. It is followed again when it is back.
+		r.log.Info("the cluster policy directory is gone: no cluster policy applies until it is back", "reason", e.Err)
+	}
+	r.applyPolicies(pushOf(e.Change))
+}
+
+// mirrorWrote is the mirror's signal that it wrote what the API changed.
+func (r *runner) mirrorWrote() {
+	select {
+	case <-r.mirror.Synced():
+		r.m.mirrorSynced.Set(1)
+	default:
+	}
+	r.applyPolicies(pushMirrored)
 }
 
 func (r *runner) logPass(rep sweep.Report) {
@@ -440,20 +374,34 @@ const (
 	pushClusterDirGone                  // cluster/ was removed
 )
 
+// pushOf is the push of what the follower of the policy directory saw.
+func pushOf(c policywatch.Change) push {
+	switch c {
+	case policywatch.FilesChanged:
+		return pushFilesChanged
+	case policywatch.ClusterChanged:
+		return pushClusterFilesChanged
+	case policywatch.WatchedAgain:
+		return pushWatchedAgain
+	default:
+		return pushClusterDirGone
+	}
+}
+
 func (p push) String() string {
 	switch p {
 	case pushStart:
 		return "start"
-	case pushFilesChanged:
-		return "policy files changed"
-	case pushClusterFilesChanged:
-		return "cluster policy files changed"
 	case pushMirrored:
 		return "PolicyEndpoints changed"
+	case pushFilesChanged:
+		return policywatch.FilesChanged.String()
+	case pushClusterFilesChanged:
+		return policywatch.ClusterChanged.String()
 	case pushWatchedAgain:
-		return "policy directory watched again"
+		return policywatch.WatchedAgain.String()
 	case pushClusterDirGone:
-		return "cluster policy directory gone"
+		return policywatch.ClusterGone.String()
 	}
 	return fmt.Sprintf("push(%d)", uint8(p))
 }
@@ -478,7 +426,7 @@ func (r *runner) applyPolicies(why push) {
 		unless = r.applied
 	}
 	r.applied = policy.Digest{}
-	a, err := pinroot.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, unless)
+	a, err := r.pins.ReapplyPolicies(r.policyDir, unless)
 	if a.Unchanged {
 		r.applied = a.Digest
 		r.log.Debug("policy directory unchanged: not programmed again", "why", why.String())
@@ -522,12 +470,17 @@ func (r *runner) applyPolicies(why push) {
 // syncNodeAddrs writes the node's addresses and, when they changed,
 // reprograms every identifier so its tries allow the new ones.
 func (r *runner) syncNodeAddrs() {
-	before, _ := r.g.NodeAddresses()
-	if err := r.g.SyncNodeAddrs(nodeaddr.List); err != nil {
+	g, err := r.pins.Global()
+	if err != nil {
 		r.log.Error("write the node's addresses", "error", err)
 		return
 	}
-	after, _ := r.g.NodeAddresses()
+	before, _ := g.NodeAddresses()
+	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
+		r.log.Error("write the node's addresses", "error", err)
+		return
+	}
+	after, _ := g.NodeAddresses()
 	if sameAddrs(before, after) {
 		return
 	}
@@ -535,7 +488,7 @@ func (r *runner) syncNodeAddrs() {
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
 	}
-	a, err := pinroot.New(r.pinRoot).ReapplyPolicies(r.g, r.policyDir, policy.Digest{})
+	a, err := r.pins.ReapplyPolicies(r.policyDir, policy.Digest{})
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)
 	if err != nil && !errors.Is(err, policy.ErrUnsynced) {
 		r.log.Error("reprogram identifiers for the node's addresses", "error", err)

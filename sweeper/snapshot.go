@@ -38,8 +38,7 @@ type memberState struct {
 // readIdentifiers reads every identifier of the pin root, each under its lock, so
 // that a member half-added is never shown. An identifier whose last
 // member left meanwhile is left out.
-func readIdentifiers(pinRoot string) ([]identState, error) {
-	pins := pinroot.New(pinRoot)
+func readIdentifiers(pins *pinroot.Root) ([]identState, error) {
 	ids, err := pins.Identifiers()
 	if err != nil {
 		return nil, err
@@ -68,11 +67,17 @@ func readIdentifier(pins *pinroot.Root, id podid.ID) (s identState, ok bool, err
 		return s, false, err
 	}
 	defer lock.Unlock()
-	s.ID = id
+	s, err = readHeld(lock)
+	return s, err == nil, err
+}
+
+// readHeld reads an identifier whose lock the caller holds.
+func readHeld(lock *pinroot.Hold) (s identState, err error) {
+	s.ID = lock.ID
 	s.Info, s.InfoErr = lock.Inspect()
 	sc, err := lock.Scan()
 	if err != nil {
-		return s, false, err
+		return s, err
 	}
 	s.Unreadable = sc.Unreadable
 	for _, m := range sc.Members {
@@ -84,7 +89,7 @@ func readIdentifier(pins *pinroot.Root, id podid.ID) (s identState, ok bool, err
 		}
 		s.Members = append(s.Members, ms)
 	}
-	return s, true, nil
+	return s, nil
 }
 
 func attached(ifindex int, h attach.Hook, want ebpf.ProgramID) bool {
@@ -141,9 +146,9 @@ func (o owner) matches(prefix string) bool {
 }
 
 // owners maps the host veths' ifindexes to their members.
-func owners(pinRoot string) map[uint32]owner {
+func owners(pins *pinroot.Root) map[uint32]owner {
 	out := map[uint32]owner{}
-	idents, err := readIdentifiers(pinRoot)
+	idents, err := readIdentifiers(pins)
 	if err != nil {
 		return out
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/ipproto"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -70,11 +71,15 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 	if *count < 0 || *duration < 0 {
 		return usageError{errors.New("--count and --duration must not be negative")}
 	}
-	g, err := openGlobal(&c, inspect)
+	root, err := openRoot(&c, inspect)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
+	defer root.Close()
+	g, err := root.Global()
+	if err != nil {
+		return err
+	}
 	events, err := bpf.OpenDenyEvents(g)
 	if err != nil {
 		return err
@@ -94,7 +99,7 @@ func cmdTrace(args []string, stdout, stderr io.Writer) error {
 		}
 	}()
 
-	r := newResolver(c.pinRoot, *policyDir)
+	r := newResolver(root, *policyDir)
 	deniedBefore := r.denied()
 	droppedBefore, err := g.DroppedEvents()
 	if err != nil {
@@ -172,11 +177,12 @@ func monotonicToWall() func(time.Duration) time.Time {
 // that select it. It re-reads the node's state when it meets an ifindex it
 // does not know, at most once a second: pods come and go during a trace.
 type resolver struct {
-	pinRoot, policyDir string
-	docs               []policy.Document
-	cluster            []policy.ClusterDocument
-	byIfindex          map[uint32]memberOf
-	read               time.Time
+	pins      *pinroot.Root
+	policyDir string
+	docs      []policy.Document
+	cluster   []policy.ClusterDocument
+	byIfindex map[uint32]memberOf
+	read      time.Time
 }
 
 type memberOf struct {
@@ -187,8 +193,8 @@ type memberOf struct {
 	set      *policy.Set
 }
 
-func newResolver(pinRoot, policyDir string) *resolver {
-	r := &resolver{pinRoot: pinRoot, policyDir: policyDir}
+func newResolver(pins *pinroot.Root, policyDir string) *resolver {
+	r := &resolver{pins: pins, policyDir: policyDir}
 	r.refresh()
 	return r
 }
@@ -196,7 +202,7 @@ func newResolver(pinRoot, policyDir string) *resolver {
 func (r *resolver) refresh() {
 	r.read = time.Now()
 	r.byIfindex = map[uint32]memberOf{}
-	idents, err := readIdentifiers(r.pinRoot)
+	idents, err := readIdentifiers(r.pins)
 	if err != nil {
 		return
 	}
@@ -214,7 +220,7 @@ func (r *resolver) refresh() {
 
 // denied is the node's denied packet count, over every identifier.
 func (r *resolver) denied() uint64 {
-	counts, err := readCounters(r.pinRoot)
+	counts, err := readCounters(r.pins)
 	if err != nil {
 		return 0
 	}

@@ -39,12 +39,12 @@ func cmdUpgrade(args []string, stdout, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	g, err := openGlobal(&c, upgrade)
+	root, err := openRoot(&c, upgrade)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
-	rep, err := upgradeNode(g, c.pinRoot)
+	defer root.Close()
+	rep, err := upgradeNode(root)
 	if c.json {
 		if werr := writeJSON(stdout, rep); werr != nil {
 			return werr
@@ -67,11 +67,15 @@ func cmdUpgrade(args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
-// upgradeNode runs pinroot.Root.Upgrade on the node; g was opened by this
-// build, which renewed the global maps.
-func upgradeNode(g *bpf.Global, pinRoot string) (upgradeReport, error) {
+// upgradeNode runs pinroot.Root.Upgrade on the node, whose global maps
+// this build opened (and so renewed).
+func upgradeNode(root *pinroot.Root) (upgradeReport, error) {
+	g, err := root.Global()
+	if err != nil {
+		return upgradeReport{}, err
+	}
 	rep := upgradeReport{Layout: bpf.LayoutVersion, GlobalFrom: g.Renewal.From, GlobalMaps: nonNil(g.Renewal.Maps), Identifiers: []upgradedIdentity{}}
-	ups, err := pinroot.New(pinRoot).Upgrade(g)
+	ups, err := root.Upgrade()
 	for _, u := range ups {
 		rep.Identifiers = append(rep.Identifiers, upgradedIdentity{
 			ID: string(u.ID), From: u.Renewal.From, Maps: nonNil(u.Renewal.Maps), Programs: u.Renewal.Programs, Moved: u.Moved, Changed: u.Changed(),

@@ -9,8 +9,9 @@ import (
 	"strings"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/packet"
-	"github.com/podfence/podfence/pkg/pinroot"
+
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 )
@@ -62,17 +63,24 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
-	g, err := openGlobal(&c, inspect)
+	root, err := openRoot(&c, inspect)
 	if err != nil {
 		return err
 	}
-	defer g.Close()
-	s, ok, err := readIdentifier(pinroot.New(c.pinRoot), q.id)
-	if err != nil {
-		return err
-	}
-	if !ok {
+	defer root.Close()
+	// One hold of the identifier's lock: the member the packet is built
+	// for is the one whose pins it meets.
+	lock, err := root.Lock(q.id)
+	if errors.Is(err, membership.ErrNoIdentifier) {
 		return fmt.Errorf("no identifier %s on this node", q.id)
+	}
+	if err != nil {
+		return err
+	}
+	defer lock.Unlock()
+	s, err := readHeld(lock)
+	if err != nil {
+		return err
 	}
 	mode, member, podAddr, err := q.member(s)
 	if err != nil {
@@ -85,13 +93,8 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 			pkt.Src = q.source
 		}
 	}
-	lock, err := pinroot.New(c.pinRoot).Lock(q.id)
-	if err != nil {
-		return err
-	}
-	defer lock.Unlock()
 	// why changes nothing on the node: it runs what is pinned.
-	ident, err := lock.OpenExisting(g)
+	ident, err := lock.OpenExisting()
 	if err != nil {
 		return err
 	}

@@ -311,7 +311,7 @@ func (d *demo) tryConnect(from, to *pod, port int, want bool) {
 }
 
 func (d *demo) showIdentifier(id string) error {
-	lock, err := pinroot.New(d.pinRoot).Lock(podid.ID(id))
+	lock, err := pinroot.At(d.pinRoot).Lock(podid.ID(id))
 	if err != nil {
 		return err
 	}

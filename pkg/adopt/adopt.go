@@ -34,7 +34,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/pinpath"
@@ -64,9 +63,11 @@ type Options struct {
 	// BinDir is the CNI plugin directory: the plugin run is the one the
 	// runtime runs.
 	BinDir string
-	// Global, when set, is the node's datapath: each adopted pod's live
-	// flows are then seeded from the kernel's conntrack table (seed).
-	Global *bpf.Global
+	// Root is the node's pin root, which the conflist's podfence entry
+	// must name. With Seed, each adopted pod's live flows are seeded from
+	// the kernel's conntrack table into its node-wide maps.
+	Root *pinroot.Root
+	Seed bool
 }
 
 // Report is what one pass found and did.
@@ -122,7 +123,10 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 	if pinRoot == "" {
 		pinRoot = pinpath.DefaultRoot
 	}
-	pins := pinroot.New(pinRoot)
+	pins := o.Root
+	if filepath.Clean(pinRoot) != filepath.Clean(pins.Path()) {
+		return r, fmt.Errorf("the conflist's podfence entry pins below %s, this sweeper below %s (--pin-root): adoption would fence pods where this sweeper does not look", pinRoot, pins.Path())
+	}
 	lctx, cancel := context.WithTimeout(ctx, criTimeout)
 	defer cancel()
 	sandboxes, err := o.Runtime.Sandboxes(lctx)
@@ -165,7 +169,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		r.Adopted = append(r.Adopted, a)
 		adopted = append(adopted, sb)
 	}
-	if o.Global == nil || len(adopted) == 0 {
+	if !o.Seed || len(adopted) == 0 {
 		return r, nil
 	}
 	// Read once every pod of the pass is attached: a flow opened before
@@ -176,7 +180,7 @@ func Pass(ctx context.Context, o Options) (Report, error) {
 		return r, nil
 	}
 	for _, sb := range adopted {
-		s, err := seed(o.Global, pins, sb, flows)
+		s, err := seed(pins, sb, flows)
 		r.Seeded.Allowed += s.Allowed
 		r.Seeded.Denied += s.Denied
 		if err != nil {

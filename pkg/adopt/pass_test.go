@@ -15,6 +15,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/pinroot"
 )
 
 // fakeRuntime is a CRI runtime service of one ready sandbox, served over
@@ -116,8 +117,9 @@ func TestPassRacesDeletion(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cri := serveRuntime(t, &tc.rt)
 			binDir, log := scriptPlugin(t, tc.addErr)
-			list := `{"cniVersion": "1.0.0", "name": "aws-cni", "plugins": [{"type": "ptp"}, {"type": "podfence", "pinRoot": "` + t.TempDir() + `"}]}`
-			r, err := Pass(context.Background(), Options{Runtime: cri, BinDir: binDir,
+			pinRoot := t.TempDir()
+			list := `{"cniVersion": "1.0.0", "name": "aws-cni", "plugins": [{"type": "ptp"}, {"type": "podfence", "pinRoot": "` + pinRoot + `"}]}`
+			r, err := Pass(context.Background(), Options{Runtime: cri, BinDir: binDir, Root: pinroot.At(pinRoot),
 				Conflist: func() (string, []byte, error) { return "10-aws.conflist", []byte(list), nil }})
 			if err != nil {
 				t.Fatal(err)
@@ -154,5 +156,21 @@ func TestPassRacesDeletion(t *testing.T) {
 				t.Errorf("the plugin ran %v, want %v", cmds, tc.calls)
 			}
 		})
+	}
+}
+
+// TestPassNeedsTheSweepersPinRoot: a conflist whose podfence entry pins
+// elsewhere than the sweeper looks is refused before anything runs.
+func TestPassNeedsTheSweepersPinRoot(t *testing.T) {
+	cri := serveRuntime(t, &fakeRuntime{state: runtimeapi.PodSandboxState_SANDBOX_READY})
+	binDir, log := scriptPlugin(t, 0)
+	list := `{"cniVersion": "1.0.0", "name": "aws-cni", "plugins": [{"type": "podfence", "pinRoot": "/sys/fs/bpf/elsewhere"}]}`
+	_, err := Pass(context.Background(), Options{Runtime: cri, BinDir: binDir, Root: pinroot.At(t.TempDir()),
+		Conflist: func() (string, []byte, error) { return "10-aws.conflist", []byte(list), nil }})
+	if err == nil || !strings.Contains(err.Error(), "/sys/fs/bpf/elsewhere") {
+		t.Fatalf("Pass: %v, want an error naming the conflist's pin root", err)
+	}
+	if _, err := os.Stat(log); !os.IsNotExist(err) {
+		t.Errorf("the plugin ran: %v", err)
 	}
 }

@@ -47,8 +47,12 @@ func kernelFlows() ([]ctnetlink.Flow, error) {
 // the destination); one opened to it has the pod as the reply's source
 // (after the DNAT of a Service), and its packets reach the pod from the
 // reply's destination (after any SNAT).
-func seed(g *bpf.Global, pins *pinroot.Root, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
+func seed(pins *pinroot.Root, sb Sandbox, flows []ctnetlink.Flow) (Seeded, error) {
 	var s Seeded
+	g, err := pins.Global()
+	if err != nil {
+		return s, err
+	}
 	id, err := pins.FindContainer(sb.ID, IfName)
 	if err != nil {
 		return s, err
@@ -62,7 +66,7 @@ func seed(g *bpf.Global, pins *pinroot.Root, sb Sandbox, flows []ctnetlink.Flow)
 	if err != nil {
 		return s, err
 	}
-	ident, err := lock.OpenExisting(g)
+	ident, err := lock.OpenExisting()
 	if err != nil {
 		return s, err
 	}

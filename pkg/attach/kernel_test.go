@@ -80,7 +80,7 @@ func newEnv(t *testing.T, m Mode) *env {
 	t.Helper()
 	e := &env{t: t, mode: m, root: kernel.PinRoot(t)}
 	var err error
-	if e.g, err = bpf.OpenGlobal(e.root); err != nil {
+	if e.g, err = bpf.OpenGlobal(pinpath.Root(e.root).Global(), bpf.GlobalOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { e.g.Close() })

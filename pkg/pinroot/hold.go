@@ -13,8 +13,10 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/pinpath"
+	"github.com/podfence/podfence/pkg/policy"
 )
 
 // Hold is one identifier of the node, held under its lock: its
@@ -23,6 +25,7 @@ import (
 // is the lock's: nothing outside this package works out where it is.
 type Hold struct {
 	*membership.Lock
+	root *Root
 }
 
 // Hook is one of a member's two attachments.
@@ -70,8 +73,12 @@ func VethPresent(m membership.Member) (bool, error) {
 // identifier's pins and what its members run agree again. A member that
 // cannot be moved is not the caller's failure: it is reported in
 // Upgraded.Unmoved, and the next Open tries again.
-func (h *Hold) Open(g *bpf.Global) (*bpf.Datapath, Upgraded, error) {
+func (h *Hold) Open() (*bpf.Datapath, Upgraded, error) {
 	up := Upgraded{ID: h.ID}
+	g, err := h.root.Global()
+	if err != nil {
+		return nil, up, wrap(ErrDatapath, err)
+	}
 	ident, rn, err := bpf.RenewIdentifier(g, h.Dir(), h.ID)
 	up.Renewal = rn
 	if err != nil {
@@ -85,7 +92,11 @@ func (h *Hold) Open(g *bpf.Global) (*bpf.Datapath, Upgraded, error) {
 
 // OpenExisting opens the identifier's pins as they are, changing nothing:
 // for why, and for judging an adopted pod's flows.
-func (h *Hold) OpenExisting(g *bpf.Global) (*bpf.Datapath, error) {
+func (h *Hold) OpenExisting() (*bpf.Datapath, error) {
+	g, err := h.root.Global()
+	if err != nil {
+		return nil, err
+	}
 	return bpf.OpenExistingIdentifier(g, h.Dir(), h.ID)
 }
 
@@ -111,7 +122,7 @@ func (h *Hold) Sources(ifindex int) (bpf.Sources, bool, error) {
 // either (see package membership), so they are replaced and replaced is
 // true. With members they stay, and the error wraps incompatible's: a live
 // datapath is never swapped silently.
-func (h *Hold) ReplaceUnused(g *bpf.Global, incompatible error) (ident *bpf.Datapath, replaced bool, err error) {
+func (h *Hold) ReplaceUnused(incompatible error) (ident *bpf.Datapath, replaced bool, err error) {
 	sc, err := h.Scan()
 	if err != nil {
 		return nil, false, wrap(ErrState, errors.Join(incompatible, err))
@@ -119,6 +130,10 @@ func (h *Hold) ReplaceUnused(g *bpf.Global, incompatible error) (ident *bpf.Data
 	if sc.InUse() {
 		return nil, false, fmt.Errorf("%w: %w (in use by %d members; it is replaced once they are gone)",
 			ErrDatapath, incompatible, len(sc.Members)+len(sc.Unreadable))
+	}
+	g, err := h.root.Global()
+	if err != nil {
+		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
 	}
 	if err := bpf.RemoveObjects(h.Dir()); err != nil {
 		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
@@ -322,4 +337,90 @@ func ProgramFor(ident *bpf.Datapath, h attach.Hook) *ebpf.Program {
 		return ident.Egress
 	}
 	return ident.Ingress
+}
+
+// AddOptions are what an ADD gives Add beside its member.
+type AddOptions struct {
+	// Policy is what the identifier enforces: in its maps before the
+	// programs are attached, so that enforcement starts with the pod's
+	// first packet.
+	Policy policy.Set
+	// Mark, when set, is called as each step ends (open-global,
+	// open-identifier, apply-policy, attach), for the call's log.
+	Mark func(step string)
+}
+
+// Added is what Add did to the identifier beside adding the member.
+type Added struct {
+	// Upgraded says what of an earlier build's pins was taken over, and
+	// which members were moved onto this build's programs with them.
+	Upgraded Upgraded
+	// Replaced is why pins this build cannot use were replaced (no member
+	// used them); nil when none were.
+	Replaced error
+}
+
+// Add adds m to the identifier, in the order that makes a kill at any
+// instant repairable (see package membership): the node's addresses into
+// the node-wide maps; the identifier's pins, taken over from an earlier
+// build, or replaced when they are another build's that no member uses;
+// the policy; m's record; then its attachments. A new pod therefore never
+// runs an older datapath than the plugin that added it. On failure nothing
+// of m is left, nor the identifier's pins when no other member uses them.
+// A policy the maps cannot hold is an error wrapping its policy sentinel
+// (policy.ErrTooManyEntries, ...).
+func (h *Hold) Add(m membership.Member, o AddOptions) (Added, error) {
+	mark := o.Mark
+	if mark == nil {
+		mark = func(string) {}
+	}
+	a, err := h.add(m, o.Policy, mark)
+	if err == nil {
+		return a, nil
+	}
+	if cerr := h.RemoveMember(m); cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	if _, cerr := h.RemoveIfUnused(); cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	return a, err
+}
+
+func (h *Hold) add(m membership.Member, set policy.Set, mark func(string)) (Added, error) {
+	var a Added
+	g, err := h.root.Global()
+	if err != nil {
+		return a, wrap(ErrDatapath, err)
+	}
+	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
+		return a, wrap(ErrDatapath, err)
+	}
+	mark("open-global")
+	ident, up, err := h.Open()
+	a.Upgraded = up
+	if errors.Is(err, bpf.ErrIncompatiblePin) {
+		incompatible := err
+		var replaced bool
+		if ident, replaced, err = h.ReplaceUnused(incompatible); replaced {
+			a.Replaced = incompatible
+		}
+	}
+	if err != nil {
+		return a, err
+	}
+	defer ident.Close()
+	mark("open-identifier")
+	if err := ident.ApplyPolicy(set); err != nil {
+		return a, wrap(ErrDatapath, err)
+	}
+	mark("apply-policy")
+	if err := h.Put(m); err != nil {
+		return a, wrap(ErrState, err)
+	}
+	if err := h.Attach(m, ident); err != nil {
+		return a, wrap(ErrAttach, err)
+	}
+	mark("attach")
+	return a, nil
 }

@@ -56,7 +56,7 @@ type Applied struct {
 // A directory whose digest is unless (the one the caller last programmed)
 // is not programmed again: every identifier has it already, and an ADD
 // programs its own. The zero digest programs whatever the directory holds.
-func (n *Root) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Digest) (Applied, error) {
+func (n *Root) ReapplyPolicies(policyDir string, unless policy.Digest) (Applied, error) {
 	var a Applied
 	switch synced, err := policy.Synced(policyDir); {
 	case err != nil:
@@ -104,7 +104,7 @@ func (n *Root) ReapplyPolicies(g *bpf.Global, policyDir string, unless policy.Di
 	var errs []error
 	var batch []*switched
 	for _, id := range ids {
-		sw, err := n.switchPolicy(g, id, func(mode policy.Mode) policy.Set {
+		sw, err := n.switchPolicy(id, func(mode policy.Mode) policy.Set {
 			return policy.ForIdentifier(docs, id, mode).WithCluster(cluster, id)
 		})
 		if sw != nil {
@@ -141,12 +141,12 @@ type switched struct {
 // switchPolicy programs id, when it has members, with what want says for
 // the mode its state records, up to the switch (bpf.SwitchPolicy); nil
 // when there is nothing to program or it failed.
-func (n *Root) switchPolicy(g *bpf.Global, id podid.ID, want func(policy.Mode) policy.Set) (*switched, error) {
+func (n *Root) switchPolicy(id podid.ID, want func(policy.Mode) policy.Set) (*switched, error) {
 	h, err := n.inUse(id)
 	if h == nil {
 		return nil, err // gone, or no member: nothing attached to program
 	}
-	ident, up, err := h.Open(g)
+	ident, up, err := h.Open()
 	if err == nil {
 		var mode policy.Mode
 		if mode, err = ident.Mode(); err == nil {
@@ -182,22 +182,6 @@ func level(batch []*switched) error {
 		sw.h.Unlock()
 	}
 	return errors.Join(errs...)
-}
-
-// ApplyPolicy programs the identifier with what want says for the mode
-// its state records, in one opening of its pins: Open takes over pins of
-// an earlier build first.
-func (h *Hold) ApplyPolicy(g *bpf.Global, want func(policy.Mode) policy.Set) (Upgraded, error) {
-	ident, up, err := h.Open(g)
-	if err != nil {
-		return up, err
-	}
-	defer ident.Close()
-	mode, err := ident.Mode()
-	if err != nil {
-		return up, err
-	}
-	return up, ident.ApplyPolicy(want(mode))
 }
 
 // PolicyStatus is what the last load of the policy directory found: why

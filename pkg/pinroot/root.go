@@ -1,16 +1,20 @@
-// Package pinroot owns the pin root: the identifiers pinned below it, their
-// member records and their locks. Everything that reads or changes an
-// identifier asks a Root for it and gets a Hold, a handle that holds the
-// identifier's lock; package bpf is handed that handle's directory and
-// package membership its records, and neither works out where they live.
+// Package pinroot owns the pin root: the node-wide maps, the identifiers
+// pinned below it with their member records and locks, and the node's
+// records (STATUS's verified builds, the TCX probe's answer, the policy
+// status, the DELs' tombstones). A caller opens the root once (Open, with
+// one bpffs check; the node-wide maps are opened by the first method that
+// needs them and closed with the root), and reaches an identifier through
+// a Hold, a handle that holds its lock; package bpf is handed the
+// directories and package membership the records, and neither works out
+// where they live.
 //
 // It adds and removes members and pins in the order that keeps package
 // membership's invariants: records before attachments, attachments gone
 // before records, the pins removed only by a lock holder that sees no
-// member. The CNI plugin (ADD, DEL, GC) and the sweeper (orphans of pods
-// that vanished without a DEL, upgrades, policy pushes) both go through
-// it; a second copy of these rules is how the seed's scale-down bug came
-// about.
+// member. An ADD is one method (Hold.Add). The CNI plugin (ADD, DEL, GC)
+// and the sweeper (orphans of pods that vanished without a DEL, upgrades,
+// policy pushes) both go through it; a second copy of these rules is how
+// the seed's scale-down bug came about.
 //
 // Errors wrap one of ErrState, ErrDatapath or ErrAttach, which say which
 // part of the node failed: the plugin maps them to its CNI error codes.
@@ -19,7 +23,12 @@ package pinroot
 import (
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
@@ -44,16 +53,114 @@ func wrap(kind, err error) error {
 	return fmt.Errorf("%w: %w", kind, err)
 }
 
-// Root is the pin root of one node.
-type Root struct {
-	store *membership.Store
+// ErrNoPinRoot and ErrNotBPFFS are wrapped by Open when the pin root is
+// missing (and Options.Create not set) or not a directory on bpffs;
+// ErrNoGlobal by Global when the node-wide maps are missing and may not be
+// made.
+// Their text completes "pin root <path> ...".
+var (
+	ErrNoPinRoot = errors.New("does not exist")
+	ErrNotBPFFS  = errors.New("is not on bpffs")
+	ErrNoGlobal  = errors.New("has no node-wide maps: no pod has been added on this node yet")
+)
+
+// Options say how Open treats a pin root.
+type Options struct {
+	// Create makes a missing pin root, and the node-wide maps when a
+	// method needs them and they are missing: an ADD's, the sweeper's run.
+	// Without it, missing ones are an error (ErrNoPinRoot, ErrNoGlobal).
+	Create bool
+	// Global sizes the node-wide maps, and KeepLayout opens them as they
+	// are instead of taking over an earlier layout's (bpf.GlobalOptions):
+	// a newer tool run on a node does not upgrade it.
+	Global bpf.GlobalOptions
 }
 
-// New returns the pin root at pinRoot.
-func New(pinRoot string) *Root { return &Root{store: membership.New(pinRoot)} }
+// Root is the pin root of one node, and the one owner of everything below
+// it: the node-wide maps, the identifiers, the records of the node
+// (STATUS's verified builds, the TCX probe's answer, the policy status, the
+// DELs' tombstones) and their removal. Its methods may run concurrently;
+// Close releases the node-wide maps once no method runs.
+type Root struct {
+	path  string
+	store *membership.Store
+	opts  Options
+
+	noMaps bool // At's: Global fails
+
+	mu     sync.Mutex
+	global *bpf.Global // opened by the first method that needs it
+}
+
+// Open checks once that path is a directory on bpffs, making it with
+// o.Create, and returns its owner. The node-wide maps are opened by the
+// first method that needs them, and closed by Close.
+func Open(path string, o Options) (*Root, error) {
+	if o.Create {
+		if err := os.MkdirAll(path, 0o700); err != nil {
+			return nil, fmt.Errorf("pin root %s: %w", path, err)
+		}
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); errors.Is(err, unix.ENOENT) {
+		return nil, fmt.Errorf("pin root %s %w", path, ErrNoPinRoot)
+	} else if err != nil {
+		return nil, fmt.Errorf("pin root %s: %w", path, err)
+	}
+	if st.Type != unix.BPF_FS_MAGIC {
+		return nil, fmt.Errorf("pin root %s %w (mount -t bpf bpf /sys/fs/bpf)", path, ErrNotBPFFS)
+	}
+	return &Root{path: path, store: membership.New(path), opts: o}, nil
+}
+
+// At is the pin root at path, unchecked and without the node-wide maps,
+// for a caller that only reads and removes members (DEL, CHECK, GC): a DEL
+// must succeed on a node where no ADD could, and finds nothing there.
+// Methods that need the maps fail with ErrNoGlobal.
+func At(path string) *Root {
+	return &Root{path: path, store: membership.New(path), noMaps: true}
+}
+
+// Close releases the node-wide maps, if a method opened them; the pins stay.
+func (n *Root) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.global == nil {
+		return nil
+	}
+	err := n.global.Close()
+	n.global = nil
+	return err
+}
+
+// Global is the node-wide maps, opened (and with Options.Create made) the
+// first time, and renewed then when they are an earlier layout's and
+// Options.Global does not keep layouts (bpf.OpenGlobal).
+func (n *Root) Global() (*bpf.Global, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.global != nil {
+		return n.global, nil
+	}
+	dir := pinpath.Root(n.path).Global()
+	if n.noMaps {
+		return nil, fmt.Errorf("pin root %s (opened for members only) %w", n.path, ErrNoGlobal)
+	}
+	if !n.opts.Create {
+		if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("pin root %s %w", n.path, ErrNoGlobal)
+		}
+	}
+	g, err := bpf.OpenGlobal(dir, n.opts.Global)
+	if err != nil {
+		return nil, fmt.Errorf("open the node's maps: %w", err)
+	}
+	n.global = g
+	return g, nil
+}
 
 // Path is the pin root's directory.
-func (n *Root) Path() string { return n.store.Root() }
+func (n *Root) Path() string { return n.path }
 
 // Identifiers lists the identifiers that have a directory (pins, members
 // or both).
@@ -68,7 +175,7 @@ func (n *Root) Lock(id podid.ID) (*Hold, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Hold{l}, nil
+	return &Hold{l, n}, nil
 }
 
 // LockOrCreate takes the identifier's lock, making its directory when it
@@ -78,7 +185,7 @@ func (n *Root) LockOrCreate(id podid.ID) (*Hold, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Hold{l}, nil
+	return &Hold{l, n}, nil
 }
 
 // FindContainer is the identifier that has a record of the container's
@@ -211,7 +318,7 @@ func (u Upgraded) Changed() bool {
 // which also moves members that a killed upgrade left on older programs.
 // Identifiers without members are left to the collection of orphans. It
 // goes on past an identifier it cannot upgrade and returns every failure.
-func (n *Root) Upgrade(g *bpf.Global) ([]Upgraded, error) {
+func (n *Root) Upgrade() ([]Upgraded, error) {
 	ids, err := n.Identifiers()
 	if err != nil {
 		return nil, wrap(ErrState, err)
@@ -219,7 +326,7 @@ func (n *Root) Upgrade(g *bpf.Global) ([]Upgraded, error) {
 	var out []Upgraded
 	var errs []error
 	for _, id := range ids {
-		u, err := n.upgradeOne(g, id)
+		u, err := n.upgradeOne(id)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
 			continue
@@ -235,13 +342,13 @@ func (n *Root) Upgrade(g *bpf.Global) ([]Upgraded, error) {
 	return out, errors.Join(errs...)
 }
 
-func (n *Root) upgradeOne(g *bpf.Global, id podid.ID) (*Upgraded, error) {
+func (n *Root) upgradeOne(id podid.ID) (*Upgraded, error) {
 	h, err := n.inUse(id)
 	if h == nil {
 		return nil, err
 	}
 	defer h.Unlock()
-	ident, up, err := h.Open(g)
+	ident, up, err := h.Open()
 	if err != nil {
 		return nil, err
 	}

@@ -8,7 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -22,32 +21,31 @@ const testID podid.ID = "web-7f65cc6544@default"
 // collections must handle.
 var web = membership.Member{ContainerID: "c1", IfName: "eth0", HostVeth: "veth-gone-c1", HostIfindex: 1 << 30, AttachMode: "tcx"}
 
-func openNode(t *testing.T) (*Root, *bpf.Global) {
+func openNode(t *testing.T) *Root {
 	t.Helper()
-	n := New(kernel.PinRoot(t))
-	g, err := bpf.OpenGlobal(n.Path())
+	n, err := Open(kernel.PinRoot(t), Options{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { g.Close() })
-	return n, g
+	t.Cleanup(func() { n.Close() })
+	return n
 }
 
 // withPins makes testID's pins, with the given members recorded.
-func withPins(t *testing.T, n *Root, g *bpf.Global, members ...membership.Member) {
+func withPins(t *testing.T, n *Root, members ...membership.Member) {
 	t.Helper()
-	withPinsOf(t, n, g, testID, members...)
+	withPinsOf(t, n, testID, members...)
 }
 
 // withPinsOf makes id's pins, with the given members recorded.
-func withPinsOf(t *testing.T, n *Root, g *bpf.Global, id podid.ID, members ...membership.Member) {
+func withPinsOf(t *testing.T, n *Root, id podid.ID, members ...membership.Member) {
 	t.Helper()
 	h, err := n.LockOrCreate(id)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer h.Unlock()
-	ident, _, err := h.Open(g)
+	ident, _, err := h.Open()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,8 +60,8 @@ func withPinsOf(t *testing.T, n *Root, g *bpf.Global, id podid.ID, members ...me
 // The handle removes pins only when no member is left, and Lock does not
 // bring back an identifier that went.
 func TestIdentifierRemoval(t *testing.T) {
-	n, g := openNode(t)
-	withPins(t, n, g, web)
+	n := openNode(t)
+	withPins(t, n, web)
 	h, err := n.Lock(testID)
 	if err != nil {
 		t.Fatal(err)
@@ -101,8 +99,8 @@ func TestCollect(t *testing.T) {
 		{"both", map[string]bool{web.Key(): true, other.Key(): true}, 2, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			n, g := openNode(t)
-			withPins(t, n, g, web, other)
+			n := openNode(t)
+			withPins(t, n, web, other)
 			c, err := n.Collect(testID, func(key string, _ *membership.Member, _ bool) bool { return tc.stale[key] })
 			if err != nil {
 				t.Fatal(err)
@@ -122,7 +120,7 @@ func TestCollect(t *testing.T) {
 			}
 		})
 	}
-	n, _ := openNode(t)
+	n := openNode(t)
 	if c, err := n.Collect(testID, func(string, *membership.Member, bool) bool { return true }); err != nil || c.Identifier {
 		t.Fatalf("Collect of a missing identifier: %+v, %v; want nothing", c, err)
 	}
@@ -144,13 +142,13 @@ spec:
 // digest, records a directory it cannot read for ls, and keeps the time
 // that began.
 func TestReapplyPolicies(t *testing.T) {
-	n, g := openNode(t)
-	withPins(t, n, g, web)
+	n := openNode(t)
+	withPins(t, n, web)
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "web.yaml"), []byte(webPolicy), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	a, err := n.ReapplyPolicies(g, dir, policy.Digest{})
+	a, err := n.ReapplyPolicies(dir, policy.Digest{})
 	if err != nil || a.Identifiers != 1 || a.Documents != 1 {
 		t.Fatalf("ReapplyPolicies: %+v, %v; want 1 identifier, 1 document", a, err)
 	}
@@ -163,7 +161,7 @@ func TestReapplyPolicies(t *testing.T) {
 	if err != nil || !info.Isolated[policy.Ingress] || info.Isolated[policy.Egress] {
 		t.Fatalf("after ReapplyPolicies: isolated %v, %v; want ingress only", info.Isolated, err)
 	}
-	if again, err := n.ReapplyPolicies(g, dir, a.Digest); err != nil || !again.Unchanged || again.Identifiers != 0 {
+	if again, err := n.ReapplyPolicies(dir, a.Digest); err != nil || !again.Unchanged || again.Identifiers != 0 {
 		t.Fatalf("ReapplyPolicies of the digest just programmed: %+v, %v; want it unchanged", again, err)
 	}
 
@@ -178,7 +176,7 @@ func TestReapplyPolicies(t *testing.T) {
 	}
 	var since []string
 	for range 2 {
-		_, err := n.ReapplyPolicies(g, bad, policy.Digest{})
+		_, err := n.ReapplyPolicies(bad, policy.Digest{})
 		if !errors.Is(err, ErrInvalidPolicy) {
 			t.Fatalf("ReapplyPolicies of a broken cluster file: %v, want ErrInvalidPolicy", err)
 		}
@@ -191,7 +189,7 @@ func TestReapplyPolicies(t *testing.T) {
 	if since[0] != since[1] {
 		t.Fatalf("the status's time moved from %s to %s across two failed loads in a row", since[0], since[1])
 	}
-	if _, err := n.ReapplyPolicies(g, dir, policy.Digest{}); err != nil {
+	if _, err := n.ReapplyPolicies(dir, policy.Digest{}); err != nil {
 		t.Fatal(err)
 	}
 	if st, ok, err := n.ReadPolicyStatus(); err != nil || ok {
@@ -202,7 +200,7 @@ func TestReapplyPolicies(t *testing.T) {
 	if err := policy.MarkUnsynced(dir); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.ReapplyPolicies(g, dir, policy.Digest{}); !errors.Is(err, policy.ErrUnsynced) {
+	if _, err := n.ReapplyPolicies(dir, policy.Digest{}); !errors.Is(err, policy.ErrUnsynced) {
 		t.Fatalf("ReapplyPolicies of an unsynced directory: %v, want ErrUnsynced", err)
 	}
 }
@@ -211,7 +209,7 @@ func TestReapplyPolicies(t *testing.T) {
 // (levelBatch) programs every one, and leaves none of them with its other
 // side not level, on both sides of a batch boundary.
 func TestReapplyPoliciesInBatches(t *testing.T) {
-	n, g := openNode(t)
+	n := openNode(t)
 	const count = levelBatch + 5
 	var pe strings.Builder
 	pe.WriteString(`apiVersion: networking.k8s.aws/v1alpha1
@@ -227,7 +225,7 @@ spec:
 		ids = append(ids, podid.ID(fmt.Sprintf("app%d-7f65cc6544@default", i)))
 		m := web
 		m.ContainerID = fmt.Sprintf("c%d", i)
-		withPinsOf(t, n, g, ids[i], m)
+		withPinsOf(t, n, ids[i], m)
 		fmt.Fprintf(&pe, "  - {name: app%d-7f65cc6544-9j58r, namespace: default, podIP: 192.168.7.%d}\n", i, i+1)
 	}
 	pe.WriteString("  ingress:\n  - cidr: 192.168.0.0/16\n")
@@ -235,7 +233,7 @@ spec:
 	if err := os.WriteFile(filepath.Join(dir, "apps.yaml"), []byte(pe.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	a, err := n.ReapplyPolicies(g, dir, policy.Digest{})
+	a, err := n.ReapplyPolicies(dir, policy.Digest{})
 	if err != nil || a.Identifiers != count {
 		t.Fatalf("ReapplyPolicies: %+v, %v; want %d identifiers", a, err, count)
 	}

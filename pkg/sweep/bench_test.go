@@ -25,6 +25,7 @@ import (
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/liveness"
 	"github.com/podfence/podfence/pkg/membership"
+	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/kernel"
 	"github.com/podfence/podfence/test/netnsutil"
@@ -52,7 +53,7 @@ func BenchmarkPass(b *testing.B) {
 		live  = 100_000
 		stale = 900_000
 	)
-	pinRoot, pair, g := newNode(b, bpf.GlobalOptions{CTv4Entries: 1 << 21, CTv6Entries: bpf.MinCTEntries})
+	root, pair, g := newNode(b, bpf.GlobalOptions{CTv4Entries: 1 << 21, CTv6Entries: bpf.MinCTEntries})
 
 	ct, err := conntrack.Dial(&netlink.Config{NetNS: int(pair.Node.Fd())})
 	if err != nil {
@@ -72,7 +73,7 @@ func BenchmarkPass(b *testing.B) {
 
 	var s *Sweeper
 	netnsutil.Do(b, pair.Node, func() (err error) {
-		s, err = New(g, Options{PinRoot: pinRoot, Grace: time.Millisecond, Log: discard()})
+		s, err = New(root, Options{Grace: time.Millisecond, Log: discard()})
 		return err
 	})
 	defer s.Close()
@@ -129,15 +130,19 @@ func BenchmarkPass(b *testing.B) {
 // (closed when the test ends), a node namespace with one pod's veth, and a
 // member of that veth with the given addresses, so that entries on its
 // ifindex have a live owner and are judged by the kernel table.
-func newNode(tb testing.TB, opts bpf.GlobalOptions, ips ...netip.Prefix) (string, *netnsutil.Pair, *bpf.Global) {
+func newNode(tb testing.TB, opts bpf.GlobalOptions, ips ...netip.Prefix) (*pinroot.Root, *netnsutil.Pair, *bpf.Global) {
 	tb.Helper()
 	pinRoot := kernel.PinRoot(tb)
 	pair := netnsutil.NewPair(tb)
-	g, err := bpf.OpenGlobalWith(pinRoot, opts)
+	root, err := pinroot.Open(pinRoot, pinroot.Options{Create: true, Global: opts})
 	if err != nil {
 		tb.Fatal(err)
 	}
-	tb.Cleanup(func() { g.Close() })
+	tb.Cleanup(func() { root.Close() })
+	g, err := root.Global()
+	if err != nil {
+		tb.Fatal(err)
+	}
 	lock, err := membership.New(pinRoot).LockOrCreate(podid.ID("web-7f65cc6544@default"))
 	if err != nil {
 		tb.Fatal(err)
@@ -148,7 +153,7 @@ func newNode(tb testing.TB, opts bpf.GlobalOptions, ips ...netip.Prefix) (string
 	if err != nil {
 		tb.Fatal(err)
 	}
-	return pinRoot, pair, g
+	return root, pair, g
 }
 
 // benchKeys are n UDP keys of distinct sources, from index first, with last
@@ -326,7 +331,7 @@ func discard() *slog.Logger { return slog.New(slog.DiscardHandler) }
 // Follow, with no pass running: p50 and p99 over b.N flows.
 func BenchmarkEventPath(b *testing.B) {
 	pod := netip.MustParseAddr("10.64.0.1")
-	pinRoot, pair, g := newNode(b, bpf.GlobalOptions{}, netip.PrefixFrom(pod, 32))
+	root, pair, g := newNode(b, bpf.GlobalOptions{}, netip.PrefixFrom(pod, 32))
 	ct, err := conntrack.Dial(&netlink.Config{NetNS: int(pair.Node.Fd())})
 	if err != nil {
 		b.Fatal(err)
@@ -336,7 +341,7 @@ func BenchmarkEventPath(b *testing.B) {
 	var s *Sweeper
 	var ev *ctnetlink.Events
 	netnsutil.Do(b, pair.Node, func() (err error) {
-		if s, err = New(g, Options{PinRoot: pinRoot, Grace: DefaultGrace, OrphanGrace: DefaultOrphanGrace, Log: discard()}); err != nil {
+		if s, err = New(root, Options{Grace: DefaultGrace, OrphanGrace: DefaultOrphanGrace, Log: discard()}); err != nil {
 			return err
 		}
 		if _, err = s.Pass(); err != nil { // reads the members' addresses

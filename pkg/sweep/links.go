@@ -109,7 +109,7 @@ func (s *Sweeper) RemoveVethless(links Removed) ([]Orphan, error) {
 	ids := s.identifiersWith(links)
 	if all || ids == nil {
 		var err error
-		if ids, err = s.node.Identifiers(); err != nil {
+		if ids, err = s.pins.Identifiers(); err != nil {
 			return nil, fmt.Errorf("list identifiers: %w", err)
 		}
 	}
@@ -127,7 +127,7 @@ func (s *Sweeper) RemoveVethless(links Removed) ([]Orphan, error) {
 			}
 			return !present
 		}
-		c, err := s.node.Collect(id, stale)
+		c, err := s.pins.Collect(id, stale)
 		orphans = append(orphans, s.logRemoved(id, c, "its veth was deleted")...)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))

@@ -50,7 +50,6 @@ const clockSlack = 50 * time.Millisecond
 
 // Options configure a Sweeper.
 type Options struct {
-	PinRoot string
 	// Grace keeps an entry seen this recently whatever the kernel says: a
 	// new flow's entry is written at the veth before netfilter creates the
 	// kernel flow (DefaultGrace is the sweeper's). 0 keeps none that way,
@@ -74,7 +73,7 @@ type Options struct {
 type Sweeper struct {
 	opts Options
 	g    *bpf.Global
-	node *pinroot.Root
+	pins *pinroot.Root
 	dump *ctnetlink.Dumper
 
 	mu        sync.Mutex
@@ -91,11 +90,15 @@ type Sweeper struct {
 	ownersRead time.Time
 }
 
-// New returns a sweeper of g's maps, reading the kernel table of the calling
-// thread's network namespace.
-func New(g *bpf.Global, opts Options) (*Sweeper, error) {
+// New returns a sweeper of the pin root's members and node-wide maps,
+// reading the kernel table of the calling thread's network namespace.
+func New(root *pinroot.Root, opts Options) (*Sweeper, error) {
 	if opts.Grace < 0 || opts.OrphanGrace < 0 {
 		return nil, fmt.Errorf("sweeper: grace %v and orphan grace %v: need 0 or more", opts.Grace, opts.OrphanGrace)
+	}
+	g, err := root.Global()
+	if err != nil {
+		return nil, fmt.Errorf("sweeper: %w", err)
 	}
 	if opts.Log == nil {
 		opts.Log = slog.Default()
@@ -107,7 +110,7 @@ func New(g *bpf.Global, opts Options) (*Sweeper, error) {
 	return &Sweeper{
 		opts:         opts,
 		g:            g,
-		node:         pinroot.New(opts.PinRoot),
+		pins:         root,
 		dump:         d,
 		missingSince: map[string]time.Time{},
 		owners:       map[netip.Addr][]uint32{},
@@ -244,7 +247,7 @@ func (l liveVeths) live(ifindex uint32) bool {
 // has passed, and returns the veths of the rest.
 func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 	live := liveVeths{ifindex: map[uint32]bool{}}
-	ids, err := s.node.Identifiers()
+	ids, err := s.pins.Identifiers()
 	if err != nil {
 		return live, nil, fmt.Errorf("list identifiers: %w", err)
 	}
@@ -296,7 +299,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 			}
 			return now.Sub(since) >= s.opts.OrphanGrace
 		}
-		c, err := s.node.Collect(id, stale)
+		c, err := s.pins.Collect(id, stale)
 		orphans = append(orphans, s.logRemoved(id, c, "its veth is gone")...)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("identifier %q: %w", id, err))
@@ -308,7 +311,7 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 		}
 	}
 	s.vethOwners = vethOwners
-	if n, err := s.node.ExpireTombstones(now); err != nil {
+	if n, err := s.pins.ExpireTombstones(now); err != nil {
 		errs = append(errs, err)
 	} else if n > 0 {
 		s.opts.Log.Debug("removed DELs' tombstones past their time", "count", n)
@@ -331,12 +334,12 @@ func (s *Sweeper) members() (liveVeths, []Orphan, error) {
 // readOwners reads the pod addresses of every member, changing nothing.
 func (s *Sweeper) readOwners() (map[netip.Addr][]uint32, error) {
 	owners := map[netip.Addr][]uint32{}
-	ids, err := s.node.Identifiers()
+	ids, err := s.pins.Identifiers()
 	if err != nil {
 		return nil, err
 	}
 	for _, id := range ids {
-		sc, err := s.node.ScanIdentifier(id)
+		sc, err := s.pins.ScanIdentifier(id)
 		if errors.Is(err, membership.ErrNoIdentifier) {
 			continue
 		}

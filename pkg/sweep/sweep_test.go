@@ -17,7 +17,7 @@ import (
 // rewrote the entry's last_seen for the new connection's first packet, so
 // the pass keeps it although the table it read has no flow for it.
 func TestPassKeepsReusedTuple(t *testing.T) {
-	pinRoot, pair, g := newNode(t, bpf.GlobalOptions{})
+	root, pair, g := newNode(t, bpf.GlobalOptions{})
 
 	reused := bpf.CTKeyV4{Src: [4]byte{10, 64, 0, 1}, Dst: [4]byte{10, 200, 0, 1}, Ifindex: uint32(pair.HostIndex), Sport: 40000, Dport: 80, Proto: unix.IPPROTO_TCP}
 	closed := reused
@@ -31,7 +31,7 @@ func TestPassKeepsReusedTuple(t *testing.T) {
 	var s *Sweeper
 	var rep Report
 	netnsutil.Do(t, pair.Node, func() (err error) {
-		s, err = New(g, Options{PinRoot: pinRoot, Grace: time.Nanosecond, Record: true, afterKernelRead: func() {
+		s, err = New(root, Options{Grace: time.Nanosecond, Record: true, afterKernelRead: func() {
 			// The new connection's first packet, as the datapath writes it.
 			if err := g.CTv4.Put(&reused, &bpf.CTValue{LastSeenNs: uint64(Monotonic())}); err != nil {
 				t.Error(err)

@@ -20,8 +20,6 @@ import (
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/cniconf"
 	"github.com/podfence/podfence/pkg/membership"
-	"github.com/podfence/podfence/pkg/nodeaddr"
-	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
@@ -74,7 +72,13 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.mark("find-veth")
-	probe := attach.TCXRecord(pinpath.Root(conf.PinRoot).TCXProbe())
+	root, err := pinroot.Open(conf.PinRoot, pinroot.Options{Create: true,
+		Global: bpf.GlobalOptions{CTv4Entries: conf.CTv4Entries, CTv6Entries: conf.CTv6Entries}})
+	if err != nil {
+		return types.NewError(errDatapath, err.Error(), "")
+	}
+	defer root.Close()
+	probe := root.TCXProbe()
 	mode, saveProbe, err := probe.Resolve(conf.attachMode)
 	if err != nil {
 		return types.NewError(errAttach, err.Error(), "")
@@ -90,7 +94,7 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 	}
 	call.mark("check-policy")
 
-	lock, err := pinroot.New(conf.PinRoot).LockOrCreate(id)
+	lock, err := root.LockOrCreate(id)
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
 	}
@@ -123,16 +127,21 @@ func cmdAdd(args *skel.CmdArgs) (err error) {
 		AttachMode:  string(mode),
 		AnySource:   !conf.sourceCheck(),
 	}
-	if err := add(conf, call, lock, member, set); err != nil {
-		// Leave nothing behind: this member's attachments and record,
-		// and the identifier's pins if no other member uses them.
-		if cerr := lock.RemoveMember(member); cerr != nil {
-			err = errors.Join(err, cerr)
+	added, err := lock.Add(member, pinroot.AddOptions{Policy: set, Mark: call.mark})
+	if up := added.Upgraded; up.Changed() {
+		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v, %d members moved", up.Renewal.From, up.Renewal.Maps, up.Renewal.Programs, up.Moved)
+		if up.Unmoved != nil {
+			call.renewed += fmt.Sprintf(" (not moved: %v)", up.Unmoved)
 		}
-		if _, cerr := lock.RemoveIfUnused(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-		return err
+	}
+	if added.Replaced != nil {
+		call.replaced = added.Replaced.Error()
+	}
+	if isCapacityError(err) {
+		return policyError(conf, err) // the policy changed since it was checked
+	}
+	if err != nil {
+		return cniError(err, errDatapath)
 	}
 	call.action = fmt.Sprintf("attached (%s), policy selected=%v ingress-isolated=%v egress-isolated=%v",
 		mode, set.Selected, set.Ingress.Isolated, set.Egress.Isolated)
@@ -161,59 +170,6 @@ func settleTombstone(lock *pinroot.Hold, key string, adoption bool) error {
 	if deleted {
 		return types.NewError(cniconf.ErrCodeDeleted, fmt.Sprintf("not adopted: the runtime's DEL of %s ran already (the pod is being deleted)", key), "")
 	}
-	return nil
-}
-
-// add does ADD's work under the identifier's lock. Its order is what makes
-// a kill at any instant repairable (see package membership): pins, then the
-// member's record, then the attachments.
-func add(conf *PluginConf, call *call, lock *pinroot.Hold, m membership.Member, set policy.Set) error {
-	g, err := bpf.OpenGlobalWith(conf.PinRoot, bpf.GlobalOptions{CTv4Entries: conf.CTv4Entries, CTv6Entries: conf.CTv6Entries})
-	if err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
-	}
-	defer g.Close()
-	if err := g.SyncNodeAddrs(nodeaddr.List); err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
-	}
-	call.mark("open-global")
-	// Pins of an earlier build are taken over here, and the identifier's
-	// members moved onto this build's programs, so a new pod never runs
-	// an older datapath than the plugin that added it.
-	ident, up, err := lock.Open(g)
-	if up.Changed() {
-		call.renewed = fmt.Sprintf("from layout %d, maps %v, programs %v, %d members moved", up.Renewal.From, up.Renewal.Maps, up.Renewal.Programs, up.Moved)
-		if up.Unmoved != nil {
-			call.renewed += fmt.Sprintf(" (not moved: %v)", up.Unmoved)
-		}
-	}
-	if errors.Is(err, bpf.ErrIncompatiblePin) {
-		incompatible := err
-		var replaced bool
-		if ident, replaced, err = lock.ReplaceUnused(g, incompatible); replaced {
-			call.replaced = incompatible.Error()
-		}
-	}
-	if err != nil {
-		return cniError(err, errDatapath)
-	}
-	defer ident.Close()
-	call.mark("open-identifier")
-	// The policy is in the maps before the programs are attached:
-	// enforcement starts with the pod's first packet.
-	if err := ident.ApplyPolicy(set); isCapacityError(err) {
-		return policyError(conf, err) // the policy changed since it was checked
-	} else if err != nil {
-		return types.NewError(errDatapath, err.Error(), "")
-	}
-	call.mark("apply-policy")
-	if err := lock.Put(m); err != nil {
-		return types.NewError(errState, err.Error(), "")
-	}
-	if err := lock.Attach(m, ident); err != nil {
-		return types.NewError(errAttach, err.Error(), "")
-	}
-	call.mark("attach")
 	return nil
 }
 
@@ -275,7 +231,7 @@ func cmdDel(args *skel.CmdArgs) (err error) {
 	call := startCall(conf, "DEL", args)
 	defer func() { call.finish(err) }()
 
-	pins := pinroot.New(conf.PinRoot)
+	pins := pinroot.At(conf.PinRoot)
 	key := membership.Key(args.ContainerID, args.IfName)
 	// Before the lock: an adoption's ADD that lists the pod before this
 	// DEL and adds it after then finds the tombstone (package membership).
@@ -359,7 +315,7 @@ func cmdCheck(args *skel.CmdArgs) (err error) {
 		return err
 	}
 	call.id = id
-	lock, err := pinroot.New(conf.PinRoot).Lock(id)
+	lock, err := pinroot.At(conf.PinRoot).Lock(id)
 	if err != nil {
 		return types.NewError(errState, fmt.Sprintf("container %s: %v", args.ContainerID, err), "")
 	}
@@ -415,7 +371,7 @@ func cmdGC(args *skel.CmdArgs) (err error) {
 	for _, a := range conf.ValidAttachments {
 		valid[membership.Key(a.ContainerID, a.IfName)] = true
 	}
-	n := pinroot.New(conf.PinRoot)
+	n := pinroot.At(conf.PinRoot)
 	ids, err := n.Identifiers()
 	if err != nil {
 		return types.NewError(errState, err.Error(), "")
@@ -464,10 +420,11 @@ func cmdStatus(args *skel.CmdArgs) (err error) {
 	}
 	call := startCall(conf, "STATUS", args)
 	defer func() { call.finish(err) }()
-	if err := bpf.CheckPinRoot(conf.PinRoot); err != nil {
+	root, err := pinroot.Open(conf.PinRoot, pinroot.Options{Create: true})
+	if err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}
-	cached, err := bpf.CheckLoadCached(conf.PinRoot)
+	cached, err := root.VerifyDatapath()
 	if err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}

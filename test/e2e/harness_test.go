@@ -314,3 +314,7 @@ func netnsutilListen(t *testing.T, p *pod, port uint16) {
 	t.Helper()
 	netnsutil.Listen(t, p.netns, port)
 }
+
+// globalDir is where a pin root keeps the node-wide maps, for tests that
+// read them directly.
+func globalDir(pinRoot string) string { return pinpath.Root(pinRoot).Global() }

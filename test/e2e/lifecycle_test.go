@@ -713,7 +713,7 @@ func TestGC(t *testing.T) {
 			client := c.addPod("client", "default")
 			// Pins of an identifier whose ADD was killed before it
 			// recorded a member.
-			g, err := bpf.OpenGlobal(c.pinRoot)
+			g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}

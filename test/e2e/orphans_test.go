@@ -20,7 +20,7 @@ import (
 // map, as the datapath would have written it long ago.
 func (c *cluster) writeEntry(t *testing.T, src, dst netip.AddrPort, ifindex int) bpf.CTEntry {
 	t.Helper()
-	g, err := bpf.OpenGlobal(c.pinRoot)
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +56,7 @@ func (c *cluster) conntrackInsert(t *testing.T, src, dst netip.AddrPort) {
 
 func (c *cluster) hasEntry(t *testing.T, e bpf.CTEntry) bool {
 	t.Helper()
-	g, err := bpf.OpenGlobal(c.pinRoot)
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -505,7 +505,7 @@ func victimUDPListen(t *testing.T, p *pod) {
 // conntrack is every entry of the node's eBPF conntrack maps.
 func (c *cluster) conntrack(t *testing.T) []bpf.CTEntry {
 	t.Helper()
-	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{KeepLayout: true})
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{KeepLayout: true})
 	if err != nil {
 		t.Fatal(err)
 	}

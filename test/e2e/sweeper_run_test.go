@@ -206,7 +206,7 @@ func TestSweeperRunFollowsNodeAddresses(t *testing.T) {
 	c.addNodeAddr(t, added)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		g, err := bpf.OpenGlobal(c.pinRoot)
+		g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -233,7 +233,7 @@ func TestSweeperRunWarnsWhenFull(t *testing.T) {
 	const size = 1024
 	_, logs := c.runSweeper(t, "--ct-v4-entries", fmt.Sprint(size), "--interval-min", "50ms", "--interval-max", "50ms")
 	c.waitHealthy(t) // the maps exist, at the size asked for
-	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{CTv4Entries: size})
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{CTv4Entries: size})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -145,7 +145,7 @@ func previousCounters(t *testing.T, c *cluster, id podid.ID) bpf.Counters {
 // readSources is what an identifier's sources map holds.
 func readSources(t *testing.T, c *cluster, id podid.ID) map[uint32]bpf.Sources {
 	t.Helper()
-	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{KeepLayout: true})
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{KeepLayout: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,7 +171,7 @@ func (c *cluster) setSources(t *testing.T, id podid.ID, p *pod) {
 		t.Fatal(err)
 	}
 	defer lock.Unlock()
-	g, err := bpf.OpenGlobalWith(c.pinRoot, bpf.GlobalOptions{KeepLayout: true})
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{KeepLayout: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -170,7 +170,7 @@ func (c *cluster) counters(t *testing.T, id podid.ID) bpf.Counters {
 // pod's ADD has created.
 func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Datapath) error) {
 	t.Helper()
-	g, err := bpf.OpenGlobal(c.pinRoot)
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

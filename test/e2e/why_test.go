@@ -100,7 +100,7 @@ func TestWhy(t *testing.T) {
 // link-local chatter comes and goes on its own).
 func (c *cluster) ctEntries(t *testing.T) int {
 	t.Helper()
-	g, err := bpf.OpenGlobal(c.pinRoot)
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
