@@ -49,16 +49,22 @@ generate:
 # half the CPU from the e2e and real-node tests.
 test:
 	$(GO) vet $(PKGS)
+	@echo "test: node's tools $$(date +%T)"
 	tools=$$(hack/k8s-tools.sh) || exit 1; \
 	export PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1; \
 	setsid sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 $(MAKE) --no-print-directory race-prebuild' >/dev/null 2>&1 & pre=$$!; \
 	trap 'kill -- -$$pre 2>/dev/null || true' EXIT; \
+	echo "test: packages $$(date +%T)"; \
 	$(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v /test/realnode) && \
+		echo "test: real node $$(date +%T)" && \
 		$(GO) test -count=1 -timeout 45m ./test/realnode/
+	@echo "test: race detector $$(date +%T)"
 	$(GO) test -count=1 -race ./pkg/...
 	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/
 	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
+	@echo "test: fuzzing $$(date +%T)"
 	$(MAKE) fuzz FUZZTIME=10s
+	@echo "test: done $$(date +%T)"
 
 # Compiles what the race stage of make test runs, and discards it: the
 # build cache keeps it.
