@@ -7,7 +7,9 @@
 #   kubelet, kube-proxy, kubectl, pause,
 #   agnhost, e2e.test                        (test/node: the real node, and
 #                                             Kubernetes' NetworkPolicy suite)
-#   coredns, network-policy-controller       (their own modules, pinned here)
+#   coredns                                  (coredns/: its own module, with
+#                                             the plugins the node uses)
+#   network-policy-controller                (its own module, pinned here)
 # A cold build takes about 30 minutes on a 2-core machine; later calls
 # return at once. Binaries are static and stripped: the tests only run them.
 #
@@ -15,10 +17,9 @@
 #   PODFENCE_CACHE=/some/dir ... # cache somewhere else (default ~/.cache/podfence)
 set -euo pipefail
 cd "$(dirname "$0")/k8s-tools"
-coredns_version=v1.15.0
 controller=github.com/aws/amazon-network-policy-controller-k8s/cmd@v1.1.10
 # The script's comments are left out: rewording one rebuilds nothing.
-key=$( (cat go.mod go.sum pause/main.go; grep -v '^[[:space:]]*#' ../k8s-tools.sh) | sha256sum | cut -c1-16)
+key=$( (cat go.mod go.sum pause/main.go coredns/go.mod coredns/go.sum coredns/main.go; grep -v '^[[:space:]]*#' ../k8s-tools.sh) | sha256sum | cut -c1-16)
 dir=${PODFENCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence}/k8s-tools/$key
 tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl pause agnhost e2e.test coredns network-policy-controller)
 need() { [[ ! -x $dir/$1 ]]; } # tool: true if it is not built yet
@@ -58,14 +59,14 @@ kube() { # the binaries of this module's graph, in one go build
 		mv "$tmp/e2e.test" "$dir/"
 	fi
 }
-# Modules of their own, with their own go.mod: go install builds each as
-# its release does.
+# Modules of their own, with their own go.mod. CoreDNS's release links
+# every plugin (218 s cold); coredns/ is its server with the Corefile's.
 coredns() {
 	need coredns || return 0
-	mkdir -p "$tmp/coredns"
-	GOBIN="$tmp/coredns" GOFLAGS=-mod=mod go install "${flags[@]}" "github.com/coredns/coredns@$coredns_version"
-	mv "$tmp/coredns/coredns" "$dir/"
+	(cd coredns && go build "${flags[@]}" -o "$tmp/coredns" .)
+	mv "$tmp/coredns" "$dir/"
 }
+# The controller as its release builds it.
 controller() {
 	need network-policy-controller || return 0
 	mkdir -p "$tmp/controller"
