@@ -38,7 +38,8 @@ generate:
 # whole node: hack/k8s-tools.sh builds them once into ~/.cache/podfence,
 # and PODFENCE_REQUIRE_K8S makes their absence a failure instead of a
 # skip. The real-node tests run alone, after the others: they check that
-# the host is left as they found it, which other tests change meanwhile.
+# the host is left as they found it, which other tests change meanwhile;
+# verbose, for each test's time.
 #
 # While the tests wait on traffic, pods and timeouts, what the race stage
 # builds is compiled at the lowest priority (race-prebuild): on a cold
@@ -57,7 +58,7 @@ test:
 	echo "test: packages $$(date +%T)"; \
 	$(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v /test/realnode) && \
 		echo "test: real node $$(date +%T)" && \
-		$(GO) test -count=1 -timeout 45m ./test/realnode/
+		$(GO) test -count=1 -timeout 45m -v ./test/realnode/
 	@echo "test: race detector $$(date +%T)"
 	$(GO) test -count=1 -race ./pkg/...
 	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/

@@ -26,7 +26,9 @@ KERNELS_CACHE=${KERNELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence/kernels}
 # legacy attach path, and conntrack/nftables/NAT for the service-VIP tests.
 MODULES=(veth sch_ingress cls_bpf nf_conntrack nf_conntrack_netlink nf_tables nft_ct nf_nat nft_chain_nat nft_nat)
 
-# qemu: software emulation (KVM is not usable inside this VM), 2 vCPUs.
+# qemu: software emulation, 2 vCPUs. KVM is not usable inside this VM:
+# /dev/kvm opens, but a guest stops in its decompressor with "KVM internal
+# error ... emulation failure" (tried with -cpu max and host).
 GUEST_MEM=${GUEST_MEM:-1536}
 GUEST_CPUS=${GUEST_CPUS:-2}
 GUEST_TIMEOUT=${GUEST_TIMEOUT:-300}
