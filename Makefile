@@ -41,20 +41,21 @@ generate:
 # the host is left as they found it, which other tests change meanwhile;
 # verbose, for each test's time.
 #
-# While the tests wait on traffic, pods and timeouts, what the race stage
-# builds is compiled at the lowest priority (race-prebuild): on a cold
-# machine that stage then mostly runs. Lowest for the whole machine: setsid
-# gives it a session, and with the kernel's autogroup scheduling a session
-# competes as one with every other, whatever its processes' nice value, so
-# the session itself is niced (/proc/self/autogroup). Niced alone it took
-# half the CPU from the e2e and real-node tests.
+# While the node's tools build and the tests wait on traffic, pods and
+# timeouts, what the race stage builds is compiled at the lowest priority
+# (race-prebuild): on a cold machine that stage then mostly runs. Lowest
+# for the whole machine: setsid gives it a session, and with the kernel's
+# autogroup scheduling a session competes as one with every other,
+# whatever its processes' nice value, so the session itself is niced
+# (/proc/self/autogroup). Niced alone it took half the CPU from the e2e
+# and real-node tests.
 test:
 	$(GO) vet $(PKGS)
 	@echo "test: node's tools $$(date +%T)"
-	tools=$$(hack/k8s-tools.sh) || exit 1; \
-	export PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1; \
 	setsid sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 $(MAKE) --no-print-directory race-prebuild' >/dev/null 2>&1 & pre=$$!; \
 	trap 'kill -- -$$pre 2>/dev/null || true' EXIT; \
+	tools=$$(hack/k8s-tools.sh) || exit 1; \
+	export PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1; \
 	echo "test: packages $$(date +%T)"; \
 	$(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v /test/realnode) && \
 		echo "test: real node $$(date +%T)" && \

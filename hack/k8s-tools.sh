@@ -11,7 +11,8 @@
 #                                             the plugins the node uses)
 #   network-policy-controller                (its own module, pinned here)
 # A cold build takes about 30 minutes on a 2-core machine; later calls
-# return at once. Binaries are static and stripped: the tests only run them.
+# return at once. Binaries are static and stripped, with no DWARF: the
+# tests only run them.
 #
 #   hack/k8s-tools.sh            # build what is missing, print the directory
 #   PODFENCE_CACHE=/some/dir ... # cache somewhere else (default ~/.cache/podfence)
@@ -33,7 +34,11 @@ mkdir -p "$dir"
 tmp=$(mktemp -d "$dir/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 export CGO_ENABLED=0
-flags=(-trimpath -ldflags=-s)
+# No DWARF: the linker's -s drops it from the binaries, and the compiler's
+# -dwarf=false stops writing it into every package: kube-proxy's cold
+# build took 202 s of wall time and 388 s of CPU without it, 231 s and
+# 441 s with (/usr/bin/time, an empty GOCACHE each).
+flags=(-trimpath -ldflags=-s -gcflags=all=-dwarf=false)
 
 # Each build moves into $dir only what it finished, so an interrupted run
 # leaves nothing half-built behind. They run one after another: side by side
