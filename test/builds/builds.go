@@ -31,18 +31,39 @@ const NextTrieCapacity = 32768
 
 // NextLayout builds podfence and podfence-sweeper from a copy of this
 // module with nextLayoutEdits, regenerating the datapath object with clang
-// the way make generate does, and returns the directory that holds them.
+// the way make generate does, and returns the directory that holds them
+// (cached: see cached).
 func NextLayout(t testing.TB) string {
 	t.Helper()
-	if _, err := exec.LookPath("clang"); err != nil {
+	clang, err := exec.Command("clang", "--version").Output()
+	if err != nil {
 		t.Fatal("clang is needed to build the next layout's datapath (hack/deps.sh installs it)")
 	}
 	root := moduleRoot(t)
-	src, out := t.TempDir(), t.TempDir()
+	key := newKey(t, "next-layout")
+	key.add(string(clang))
+	// The headers clang reads, where dpkg knows them (Debian).
+	headers, _ := exec.Command("dpkg-query", "-W", "linux-libc-dev", "libbpf-dev").Output()
+	key.add(string(headers))
+	for _, p := range nextLayoutSources {
+		key.addTree(t, root, p)
+	}
+	for _, e := range nextLayoutEdits {
+		key.add(e.file + e.old + e.new)
+	}
+	return cached(t, key.String(), func(out string) { buildNextLayout(t, root, out) })
+}
+
+// nextLayoutSources are what NextLayout copies of this module.
+var nextLayoutSources = []string{"go.mod", "go.sum", "bpf", "pkg", "plugins", "sweeper", "hack/bpf2go.sh"}
+
+func buildNextLayout(t testing.TB, root, out string) {
+	t.Helper()
+	src := t.TempDir()
 	if err := os.MkdirAll(filepath.Join(src, "hack"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{"go.mod", "go.sum", "bpf", "pkg", "plugins", "sweeper", "hack/bpf2go.sh"} {
+	for _, p := range nextLayoutSources {
 		if b, err := exec.Command("cp", "-a", filepath.Join(root, p), filepath.Join(src, p)).CombinedOutput(); err != nil {
 			t.Fatalf("copy %s: %v: %s", p, err, b)
 		}
@@ -72,7 +93,6 @@ func NextLayout(t testing.TB) string {
 			t.Fatalf("go %v in the next layout's copy: %v: %s", args, err, b)
 		}
 	}
-	return out
 }
 
 // PreviousBuild is the last commit of layout 3, the build before the
@@ -88,11 +108,18 @@ const (
 
 // Previous builds podfence and podfence-sweeper of previousBuild from
 // this clone's history (its generated datapath is committed, so no clang),
-// and returns the directory that holds them.
+// and returns the directory that holds them (cached: see cached).
 func Previous(t testing.TB) string {
 	t.Helper()
 	root := moduleRoot(t)
-	src, out := t.TempDir(), t.TempDir()
+	key := newKey(t, "previous")
+	key.add(PreviousBuild)
+	return cached(t, key.String(), func(out string) { buildPrevious(t, root, out) })
+}
+
+func buildPrevious(t testing.TB, root, out string) {
+	t.Helper()
+	src := t.TempDir()
 	archive := exec.Command("git", "-C", root, "archive", "--format=tar", PreviousBuild)
 	var tarball, stderr bytes.Buffer
 	archive.Stdout, archive.Stderr = &tarball, &stderr
@@ -116,7 +143,6 @@ func Previous(t testing.TB) string {
 			t.Fatalf("go %v of %s: %v: %s", args, PreviousBuild, err, b)
 		}
 	}
-	return out
 }
 
 // moduleRoot is the directory of podfence's go.mod.
