@@ -241,6 +241,7 @@ func TestAdoptionRacesRuntime(t *testing.T) {
 		passesTotal += r.passes
 		if round < rounds-1 {
 			scale(t, cs, ns, "race", 0)
+			waitTornDown(t, n, ns)
 		}
 	}
 	if adoptedTotal == 0 {
@@ -334,13 +335,7 @@ func explainMembers(t *testing.T, n *node.Node, ms []memberView, pluginLog strin
 func useConflist(t *testing.T, n *node.Node, conf string, chained bool) {
 	t.Helper()
 	writeConflist(t, n, conf)
-	sock := "unix:///proc/" + strconv.Itoa(n.PID) + "/root/run/containerd/containerd.sock"
-	conn, err := grpc.NewClient(sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	rs := runtimeapi.NewRuntimeServiceClient(conn)
+	rs := criClient(t, n)
 	waitFor(t, fmt.Sprintf("containerd to load the conflist (podfence chained: %v)", chained), 30*time.Second, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -357,4 +352,53 @@ func useConflist(t *testing.T, n *node.Node, conf string, chained bool) {
 		}
 		return nil
 	})
+}
+
+// waitTornDown waits until containerd has torn down the network of every
+// sandbox of namespace ns (its CNI DEL run, the netns removed). A pod
+// leaves the API before that: after scale reported none, the last round's
+// teardowns ran seconds later, so a conflist rewritten meanwhile (the next
+// round's) gave their DELs a list without podfence, and their members
+// outlived their veths with the sweeper paused.
+func waitTornDown(t *testing.T, n *node.Node, ns string) {
+	t.Helper()
+	rs := criClient(t, n)
+	waitFor(t, "containerd to tear down the network of every sandbox of "+ns, 2*time.Minute, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		list, err := rs.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: &runtimeapi.PodSandboxFilter{
+			LabelSelector: map[string]string{"io.kubernetes.pod.namespace": ns},
+		}})
+		if err != nil {
+			return err
+		}
+		for _, sb := range list.Items {
+			st, err := rs.PodSandboxStatus(ctx, &runtimeapi.PodSandboxStatusRequest{PodSandboxId: sb.Id, Verbose: true})
+			if err != nil {
+				return err
+			}
+			var info struct {
+				NetNSClosed bool `json:"netNamespaceClosed"`
+			}
+			if err := json.Unmarshal([]byte(st.GetInfo()["info"]), &info); err != nil {
+				return fmt.Errorf("sandbox %.12s: containerd's status info: %w", sb.Id, err)
+			}
+			if sb.State == runtimeapi.PodSandboxState_SANDBOX_READY || !info.NetNSClosed {
+				return fmt.Errorf("sandbox %.12s (%s): network not torn down yet", sb.Id, sb.Metadata.GetName())
+			}
+		}
+		return nil
+	})
+}
+
+// criClient is a client of the node's containerd, closed with the test.
+func criClient(t *testing.T, n *node.Node) runtimeapi.RuntimeServiceClient {
+	t.Helper()
+	sock := "unix:///proc/" + strconv.Itoa(n.PID) + "/root/run/containerd/containerd.sock"
+	conn, err := grpc.NewClient(sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return runtimeapi.NewRuntimeServiceClient(conn)
 }
