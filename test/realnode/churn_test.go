@@ -24,7 +24,7 @@ import (
 )
 
 // TestChurn is the seed system's leak test, larger: a Deployment scaled
-// between 0 and 50 replicas (4 times here: 200 pods; PODFENCE_CHURN_ROUNDS
+// between 0 and 50 replicas (twice in make test: 100 pods; PODFENCE_CHURN_ROUNDS
 // sets it, make churn runs 40: 2,000 pods; after a warm-up round that is
 // not measured), all replicas sharing one pod
 // identifier. Afterwards nothing of podfence is left beyond the running
@@ -35,7 +35,7 @@ import (
 // log (every phase's p50 is logged, whatever the rounds).
 func TestChurn(t *testing.T) {
 	n := needNode(t)
-	rounds := 4
+	rounds := 2
 	if v, err := strconv.Atoi(os.Getenv("PODFENCE_CHURN_ROUNDS")); err == nil && v > 0 {
 		rounds = v
 	}
