@@ -10,7 +10,7 @@
 #   coredns                                  (coredns/: its own module, with
 #                                             the plugins the node uses)
 #   network-policy-controller                (its own module, pinned here)
-# A cold build takes about 30 minutes on a 2-core machine; later calls
+# A cold build takes about 17 minutes on a 2-core machine; later calls
 # return at once. Binaries are static and stripped, with no DWARF: the
 # tests only run them.
 #
@@ -84,7 +84,7 @@ timed() { # name, function
 	echo "k8s-tools: $1 built in $((SECONDS - start)) s" >&2
 }
 
-echo "k8s-tools: building into $dir (cold: about 30 minutes)" >&2
+echo "k8s-tools: building into $dir (cold: about 17 minutes)" >&2
 start=$SECONDS
 timed "Kubernetes' binaries, etcd, agnhost, e2e.test" kube
 timed coredns coredns
