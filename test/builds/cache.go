@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"hash"
 	"io/fs"
 	"os"
 	"os/exec"
@@ -89,12 +91,12 @@ func prune(t testing.TB, dir, keep string) {
 // keyer hashes what a build reads into its cache key.
 type keyer struct {
 	kind string
-	h    []byte
+	h    hash.Hash
 }
 
 func newKey(t testing.TB, kind string) *keyer {
 	t.Helper()
-	k := &keyer{kind: kind}
+	k := &keyer{kind: kind, h: sha256.New()}
 	// The toolchain and what it is told to build for.
 	out, err := exec.Command("go", "env", "GOVERSION", "GOOS", "GOARCH", "GOAMD64", "GOFLAGS").Output()
 	if err != nil {
@@ -104,10 +106,9 @@ func newKey(t testing.TB, kind string) *keyer {
 	return k
 }
 
-func (k *keyer) add(s string) {
-	sum := sha256.Sum256(append(k.h, s...))
-	k.h = sum[:]
-}
+// add writes s with its length, so that no two sequences of parts hash
+// alike.
+func (k *keyer) add(s string) { fmt.Fprintf(k.h, "%d:%s", len(s), s) }
 
 // addTree adds every file below path (a file or a directory), by its
 // path relative to root and its content.
@@ -132,4 +133,4 @@ func (k *keyer) addTree(t testing.TB, root, path string) {
 }
 
 // String is the entry's name: the kind, and the hash.
-func (k *keyer) String() string { return k.kind + "-" + hex.EncodeToString(k.h[:8]) }
+func (k *keyer) String() string { return k.kind + "-" + hex.EncodeToString(k.h.Sum(nil)[:8]) }
