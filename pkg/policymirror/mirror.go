@@ -44,9 +44,10 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/podfence/podfence/pkg/atomicfile"
@@ -111,7 +112,6 @@ type Report struct {
 type Mirror struct {
 	opts    Options
 	client  dynamic.Interface
-	factory dynamicinformer.DynamicSharedInformerFactory
 	kinds   []*kind // PolicyEndpoints, then ClusterPolicyEndpoints
 	kick    chan struct{}
 	changed chan struct{}
@@ -132,6 +132,7 @@ type kind struct {
 	// informer is nil while the API does not serve the resource (only
 	// ClusterPolicyEndpoints may be missing); such a kind holds nothing.
 	informer cache.SharedIndexInformer
+	started  bool // informer runs (Mirror.start)
 	// written is what dir holds, by file name; it starts from what an
 	// earlier run left, so a restart rewrites only what changed meanwhile.
 	written map[string][]byte
@@ -167,12 +168,8 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 		return nil, err
 	}
 	m := &Mirror{
-		opts:   opts,
-		client: client,
-		// No resync period: the reflector's relists and the watch are
-		// the source of changes; a periodic resync would only replay the
-		// store.
-		factory: dynamicinformer.NewDynamicSharedInformerFactory(client, 0),
+		opts:    opts,
+		client:  client,
 		kick:    make(chan struct{}, 1),
 		changed: make(chan struct{}, 1),
 		synced:  make(chan struct{}),
@@ -202,9 +199,33 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 	return m, nil
 }
 
-// watch starts k's informer (at Run, or at once when Run is running).
+// informer is a shared informer of every object of gvr, as client-go's
+// dynamicinformer builds it. That package is not used because it imports
+// client-go/informers, and with it every typed client of the core API: 250
+// packages the sweeper would build and carry for nothing.
+func informer(client dynamic.Interface, gvr schema.GroupVersionResource) cache.SharedIndexInformer {
+	objects := client.Resource(gvr) // all namespaces; the cluster kind has none
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return objects.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return objects.Watch(ctx, o)
+		},
+	}
+	return cache.NewSharedIndexInformerWithOptions(
+		cache.ToListWatcherWithWatchListSemantics(lw, client),
+		&unstructured.Unstructured{},
+		// No resync period: the reflector's relists and the watch are
+		// the source of changes; a periodic resync would only replay the
+		// store.
+		cache.SharedIndexInformerOptions{ObjectDescription: gvr.String()},
+	)
+}
+
+// watch prepares k's informer; start runs it.
 func (m *Mirror) watch(k *kind) error {
-	inf := m.factory.ForResource(k.gvr).Informer()
+	inf := informer(m.client, k.gvr)
 	kick := func(any) { m.Kick() }
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    kick,
@@ -233,6 +254,17 @@ func (m *Mirror) watch(k *kind) error {
 	}
 	k.informer = inf
 	return nil
+}
+
+// start runs the informers watch prepared and that do not run yet, until
+// ctx ends.
+func (m *Mirror) start(ctx context.Context) {
+	for _, k := range m.kinds {
+		if k.informer != nil && !k.started {
+			k.started = true
+			go k.informer.RunWithContext(ctx)
+		}
+	}
 }
 
 // Changed receives after a reconcile that changed the directory, and after
@@ -298,7 +330,7 @@ func (m *Mirror) Run(ctx context.Context) error {
 		m.opts.Log.Info("the API serves no ClusterPolicyEndpoints (no cluster policies here); asking again every "+probeEvery.String(), "resource", cluster.gvr.Resource)
 		probe = time.After(probeEvery)
 	}
-	m.factory.Start(ctx.Done())
+	m.start(ctx)
 	for _, k := range m.kinds {
 		if k.informer != nil && !cache.WaitForCacheSync(ctx.Done(), k.informer.HasSynced) {
 			return context.Cause(ctx)
@@ -350,7 +382,7 @@ func (m *Mirror) Run(ctx context.Context) error {
 				return err
 			}
 			m.opts.Log.Info("the API now serves ClusterPolicyEndpoints; mirroring them")
-			m.factory.Start(ctx.Done())
+			m.start(ctx)
 			// Its first list kicks as it goes; this reconciles once it is whole.
 			go func() {
 				if cache.WaitForCacheSync(ctx.Done(), cluster.informer.HasSynced) {
