@@ -3,12 +3,14 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -41,7 +43,11 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binDir = dir
-	for _, pkg := range []string{
+	// In parallel: each is mostly a link, and two run on two cores in the
+	// time of one after the other.
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i, pkg := range []string{
 		"github.com/podfence/podfence/plugins/podfence",
 		"github.com/podfence/podfence/sweeper",
 		"github.com/containernetworking/plugins/plugins/main/ptp",
@@ -57,12 +63,17 @@ func TestMain(m *testing.M) {
 			build.Args = append(build.Args[:2], append([]string{"-race"}, build.Args[2:]...)...)
 			build.Env = append(os.Environ(), "CGO_ENABLED=1") // -race needs cgo
 		}
-		out, err := build.CombinedOutput()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "build %s: %v\n%s", pkg, err, out)
-			os.RemoveAll(dir)
-			os.Exit(1)
-		}
+		wg.Go(func() {
+			if out, err := build.CombinedOutput(); err != nil {
+				errs[i] = fmt.Errorf("build %s: %v\n%s", pkg, err, out)
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.RemoveAll(dir)
+		os.Exit(1)
 	}
 	code := m.Run()
 	os.RemoveAll(dir)

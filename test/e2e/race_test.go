@@ -16,10 +16,13 @@ import (
 	"github.com/podfence/podfence/pkg/podid"
 )
 
-const (
-	raceReplicas = 32
-	raceRounds   = 20
-)
+const raceReplicas = 32
+
+// raceRounds: four cycles of roundKinds; two under the race detector (make
+// test's race stage), where every call is a race-built plugin or sweeper
+// and takes several times as long. Two cycles run every code path the
+// detector can check twice; the interleavings come from the full run.
+var raceRounds = map[bool]int{false: 20, true: 10}[raceDetector]
 
 // TestConcurrentAddDel runs ADDs and DELs of 32 replicas of one identifier
 // concurrently, in random interleavings, as a node does when a ReplicaSet is
