@@ -37,33 +37,41 @@ generate:
 # The API tests run a real kube-apiserver and etcd, the real-node tests a
 # whole node: hack/k8s-tools.sh builds them once into ~/.cache/podfence,
 # and PODFENCE_REQUIRE_K8S makes their absence a failure instead of a
-# skip. The real-node tests run alone, after the others: they check that
-# the host is left as they found it, which other tests change meanwhile;
-# verbose, for each test's time.
+# skip, in the race stage too (the policy mirror's tests run against a
+# real API there). The real-node tests run alone, after the others: they
+# check that the host is left as they found it, which other tests change
+# meanwhile; verbose, for each test's time.
 #
-# While the node's tools build and the tests wait on traffic, pods and
-# timeouts, what the race stage builds is compiled at the lowest priority
-# (race-prebuild): on a cold machine that stage then mostly runs. Lowest
+# The API tests need etcd and kube-apiserver only: they start once those
+# are built, and the node's other tools (kubelet, e2e.test, CoreDNS, the
+# controller...) build meanwhile at the lowest priority, in the CPU the
+# tests leave while they wait on traffic and timeouts; the real-node stage
+# waits for them. Likewise what the race stage builds is compiled at the
+# lowest priority from the start (race-prebuild). Lowest
 # for the whole machine: setsid gives it a session, and with the kernel's
 # autogroup scheduling a session competes as one with every other,
 # whatever its processes' nice value, so the session itself is niced
-# (/proc/self/autogroup). Niced alone it took half the CPU from the e2e
-# and real-node tests.
+# (/proc/self/autogroup). Niced alone, race-prebuild took half the CPU
+# from the e2e and real-node tests.
 test:
 	$(GO) vet $(PKGS)
-	@echo "test: node's tools $$(date +%T)"
+	@echo "test: etcd and kube-apiserver $$(date +%T)"
 	setsid sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 $(MAKE) --no-print-directory race-prebuild' >/dev/null 2>&1 & pre=$$!; \
-	trap 'kill -- -$$pre 2>/dev/null || true' EXIT; \
-	tools=$$(hack/k8s-tools.sh) || exit 1; \
+	tools=$$(hack/k8s-tools.sh etcd kube-apiserver) || exit 1; \
+	toolslog=$$(mktemp); \
+	setsid sh -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 hack/k8s-tools.sh' >/dev/null 2>"$$toolslog" & rest=$$!; \
+	trap 'kill -- -$$pre -$$rest 2>/dev/null || true; rm -f "$$toolslog"' EXIT; \
 	export PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1; \
 	echo "test: packages $$(date +%T)"; \
 	$(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v /test/realnode) && \
+		echo "test: the node's other tools $$(date +%T)" && \
+		{ wait $$rest; rc=$$?; cat "$$toolslog" >&2; test $$rc = 0; } && \
 		echo "test: real node $$(date +%T)" && \
-		$(GO) test -count=1 -timeout 45m -v ./test/realnode/
-	@echo "test: race detector $$(date +%T)"
-	$(GO) test -count=1 -race ./pkg/...
-	$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/
-	$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
+		$(GO) test -count=1 -timeout 45m -v ./test/realnode/ && \
+		echo "test: race detector $$(date +%T)" && \
+		$(GO) test -count=1 -race ./pkg/... && \
+		$(GO) test -count=1 -race -run 'TestApplyPolicyNeverMixesPolicies|TestOpenIdentifier|TestGlobalCreationRace' ./bpf/ && \
+		$(GO) test -count=1 -race -run 'TestConcurrentAddDel' ./test/e2e/
 	@echo "test: fuzzing $$(date +%T)"
 	$(MAKE) fuzz FUZZTIME=10s
 	@echo "test: done $$(date +%T)"

@@ -15,6 +15,8 @@
 # tests only run them.
 #
 #   hack/k8s-tools.sh            # build what is missing, print the directory
+#   hack/k8s-tools.sh etcd kube-apiserver  # only these (make test starts
+#                                # the API tests on them, the rest building)
 #   PODFENCE_CACHE=/some/dir ... # cache somewhere else (default ~/.cache/podfence)
 set -euo pipefail
 cd "$(dirname "$0")/k8s-tools"
@@ -23,9 +25,17 @@ controller=github.com/aws/amazon-network-policy-controller-k8s/cmd@v1.1.10
 key=$( (cat go.mod go.sum pause/main.go coredns/go.mod coredns/go.sum coredns/main.go; grep -v '^[[:space:]]*#' ../k8s-tools.sh) | sha256sum | cut -c1-16)
 dir=${PODFENCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence}/k8s-tools/$key
 tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl pause agnhost e2e.test coredns network-policy-controller)
-need() { [[ ! -x $dir/$1 ]]; } # tool: true if it is not built yet
+wanted=("${tools[@]}")
+if (($#)); then
+	for t in "$@"; do
+		[[ " ${tools[*]} " == *" $t "* ]] || { echo "k8s-tools: no tool $t (tools: ${tools[*]})" >&2; exit 2; }
+	done
+	wanted=("$@")
+fi
+# need TOOL: true if TOOL was asked for and is not built yet.
+need() { [[ " ${wanted[*]} " == *" $1 "* && ! -x $dir/$1 ]]; }
 missing=0
-for t in "${tools[@]}"; do ! need "$t" || missing=1; done
+for t in "${wanted[@]}"; do ! need "$t" || missing=1; done
 if [[ $missing == 0 ]]; then
 	echo "$dir"
 	exit 0
@@ -84,7 +94,7 @@ timed() { # name, function
 	echo "k8s-tools: $1 built in $((SECONDS - start)) s" >&2
 }
 
-echo "k8s-tools: building into $dir (cold: about 17 minutes)" >&2
+echo "k8s-tools: building ${*:-every tool} into $dir (cold, all of them: about 17 minutes)" >&2
 start=$SECONDS
 timed "Kubernetes' binaries, etcd, agnhost, e2e.test" kube
 timed coredns coredns
