@@ -28,8 +28,8 @@ var (
 // the verdict is the policy's alone.
 //
 // The kernel matrix (hack/kernels) runs it with -test.short: a quarter of
-// the sets, since under software emulation each set's policy change costs
-// seconds, and the programs are the ones make test runs through all 400.
+// the sets, which still reach every layer, where emulation makes each set
+// several times slower; make test runs all 400 on the host.
 func TestDifferential(t *testing.T) {
 	h := newHarness(t)
 	// Inside the space randomAddr draws from, so that rules cover them.

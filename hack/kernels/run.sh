@@ -40,8 +40,9 @@ CGO_ENABLED=0 go test -c -o "$work/attach.test" ./pkg/attach/
 # A test that hangs panics with its stack before the guest is killed.
 # -test.short: the randomised and repeated tests (TestDifferential,
 # TestApplyPolicyNeverMixesPolicies, TestTrialMatchesReference) run a
-# quarter of their rounds, each of which waits out RCU grace periods that
-# take seconds under emulation; make test runs them in full on the host.
+# quarter of their rounds: whole, they were two thirds of a guest's time,
+# the same code paths repeated on other random policies; make test runs
+# them in full on the host.
 test_timeout=$((GUEST_TIMEOUT > 120 ? GUEST_TIMEOUT - 60 : GUEST_TIMEOUT * 3 / 4))
 args="-test.v -test.short -test.count=1 -test.timeout=${test_timeout}s ${TEST_ARGS:-}"
 binaries=(bpf.test attach.test)
