@@ -77,9 +77,10 @@ test:
 	@echo "test: done $$(date +%T)"
 
 # Compiles what the race stage of make test runs, and discards it: the
-# build cache keeps it.
+# build cache keeps it. Killed (make test ends first), it still removes
+# its output: dash runs an EXIT trap on a signal only if one is set.
 race-prebuild:
-	out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT && \
+	out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT && trap 'exit 1' INT TERM && \
 		CGO_ENABLED=1 $(GO) build -race -o "$$out/" ./plugins/podfence ./sweeper && \
 		$(GO) test -race -c -o "$$out/" ./pkg/... ./bpf/ ./test/e2e/
 
