@@ -201,8 +201,8 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 
 // informer is a shared informer of every object of gvr, as client-go's
 // dynamicinformer builds it. That package is not used because it imports
-// client-go/informers, and with it every typed client of the core API: 250
-// packages the sweeper would build and carry for nothing.
+// client-go/informers, and with it every typed informer, lister and client
+// of the core API: 356 of the 892 packages the sweeper's build had.
 func informer(client dynamic.Interface, gvr schema.GroupVersionResource) cache.SharedIndexInformer {
 	objects := client.Resource(gvr) // all namespaces; the cluster kind has none
 	lw := &cache.ListWatch{

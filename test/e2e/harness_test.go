@@ -45,14 +45,15 @@ func TestMain(m *testing.M) {
 	binDir = dir
 	// In parallel: each is mostly a link, and two run on two cores in the
 	// time of one after the other.
-	var wg sync.WaitGroup
-	errs := make([]error, 4)
-	for i, pkg := range []string{
+	pkgs := []string{
 		"github.com/podfence/podfence/plugins/podfence",
 		"github.com/podfence/podfence/sweeper",
 		"github.com/containernetworking/plugins/plugins/main/ptp",
 		"github.com/containernetworking/plugins/plugins/ipam/host-local",
-	} {
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(pkgs))
+	for i, pkg := range pkgs {
 		name := filepath.Base(pkg)
 		if name == "sweeper" {
 			name = "podfence-sweeper"
