@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"os/exec"
 	"strings"
 	"testing"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/podfence/podfence/bpf/bound"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/test/kernel"
+	"github.com/podfence/podfence/test/netnsutil"
 )
 
 // BenchmarkLowerBound measures the programs of bpf/bound, which parse a
@@ -113,10 +115,14 @@ func TestBoundMatchesDatapath(t *testing.T) {
 		if strings.HasPrefix(name, ".") {
 			continue // .rodata and the like: each object's own constants
 		}
-		if name == "egress_by_pod_v4" {
-			// The post-DNAT prototype's map of maps: not the datapath's,
-			// but its inner maps must be the datapath's egress tries.
+		switch name {
+		case "egress_by_pod_v4":
+			// Design S's map of maps (BenchmarkEgressAfterNAT): not the
+			// datapath's, but its inner maps must be the datapath's
+			// egress tries.
 			m, name = m.InnerMap, pinpath.MapPolEgV4
+		case "judges":
+			continue // designs M and M+C's tail calls: the datapath has none yet
 		}
 		want, ok := ours.Maps[name]
 		if !ok {
@@ -136,71 +142,124 @@ func sameShape(a, b *ebpf.MapSpec) bool {
 		a.MaxEntries == b.MaxEntries && a.Flags == b.Flags
 }
 
-// BenchmarkPostDNATCost prices judging a pod's egress after Service
-// translation instead of at its veth: new_flow_post_dnat finds the sending
-// pod's egress trie by the packet's source address (a map of maps, one
-// entry per pod of the node) before the trie lookup and the conntrack
-// insert that new_flow does. Both run the same new flows (a distinct tuple
-// per run) against tries of 1,000 prefixes; the post-DNAT one with its
-// flows from one pod, and spread over 64 pods' tries (whose nodes then
-// compete for the cache). "x-new-flow" is the ratio of the medians.
-// Established flows are unchanged: one conntrack lookup wherever it runs.
-func BenchmarkPostDNATCost(b *testing.B) {
+// BenchmarkEgressAfterNAT compares three ways of judging a pod's egress
+// after Service translation, where the packet leaves the node's routing,
+// with today's judgement at the pod's veth, on the programs of bpf/bound.
+// Each pod of the node is its own identifier (the worst case: no replicas
+// share a trie), with a copy of the programs and a trie of 1,000 prefixes;
+// conntrack, the judges and the source map are the node's. Every run is a
+// new allowed flow (a distinct tuple) from the next pod in turn, so that
+// with 110 pods each run meets another pod's trie, as a busy node does:
+//
+//   - veth-today: the trie lookup and the conntrack insert at the veth;
+//   - mark-tailcall (design M): the veth stamps its slot in skb->mark, the
+//     output device's program tail-calls that slot's judge, which reads its
+//     identifier's own maps;
+//   - source-map (design S): the output device's program finds the pod's
+//     trie in a hash of maps keyed by the packet's source address;
+//   - ct-kfunc+source-map (design C): S after a lookup and release of the
+//     kernel's conntrack entry (bpf_skb_ct_lookup, 5.18 and later), which
+//     gives the source a SNAT hid.
+//
+// "x-veth" is a design's median over today's, at the same pod count;
+// "x-1pod" the 110-pod median over the 1-pod one, of the same design.
+func BenchmarkEgressAfterNAT(b *testing.B) {
 	kernel.RequireRoot(b)
 	const prefixes = 1000
-	o := loadBound(b)
-	fillBoundTrie(b, o, "v4", prefixes)
-	cs, err := bound.Spec()
+	// The conntrack entry design C finds, in a namespace of the run's own.
+	ctFrom, ctTo := netip.MustParseAddrPort("10.88.0.1:40000"), netip.MustParseAddrPort("10.96.0.10:80")
+	n := netnsutil.New(b)
+	if out, err := exec.Command("nsenter", "--net="+n.Path(), "conntrack", "-I", "-p", "tcp",
+		"-s", ctFrom.Addr().String(), "-d", ctTo.Addr().String(),
+		"--sport", fmt.Sprint(ctFrom.Port()), "--dport", fmt.Sprint(ctTo.Port()),
+		"--state", "ESTABLISHED", "--timeout", "600").CombinedOutput(); err != nil {
+		b.Fatalf("conntrack -I: %v: %s", err, out)
+	}
+	one := map[string]float64{}
+	for _, pods := range []int{1, 110} {
+		b.Run(fmt.Sprintf("%dpods", pods), func(b *testing.B) {
+			copies := afterNATCopies(b, pods, prefixes, ctFrom, ctTo)
+			veth := 0.0
+			for c, d := range []struct {
+				name string
+				prog func(o *bound.Objects) *ebpf.Program
+			}{
+				{"veth-today", func(o *bound.Objects) *ebpf.Program { return o.VethEgressNew }},
+				{"mark-tailcall", func(o *bound.Objects) *ebpf.Program { return o.MarkThenJudge }},
+				{"source-map", func(o *bound.Objects) *ebpf.Program { return o.SourceThenJudge }},
+				{"ct-kfunc+source-map", func(o *bound.Objects) *ebpf.Program { return o.CtThenJudge }},
+				{"mark+ct-kfunc", func(o *bound.Objects) *ebpf.Program { return o.MarkCtThenJudge }},
+			} {
+				b.Run(d.name, func(b *testing.B) {
+					runs := make([]float64, b.N)
+					netnsutil.Do(b, n, func() error {
+						for i := 0; i < b.N; i++ {
+							// From pod i%pods to a peer in the i-th prefix: a
+							// source port per run (design C keys the flow on the
+							// benchmark's one conntrack entry's destination) and
+							// a destination port per design keep every flow new.
+							p := benchPacket("v4", i%prefixes, uint16(1024+i%60000), uint16(80+c))
+							p.Src, p.Dst = netip.AddrFrom4(podAddrBytes(i%pods)), p.Src
+							ret, took, err := d.prog(copies[i%pods]).Benchmark(p.Marshal(), 1, nil)
+							if err != nil || ret != VerdictAllow {
+								return fmt.Errorf("packet %d: verdict %#x, err %v", i, ret, err)
+							}
+							runs[i] = float64(took.Nanoseconds())
+						}
+						return nil
+					})
+					ns := median(runs)
+					if d.name == "veth-today" {
+						veth = ns
+					}
+					if pods == 1 {
+						one[d.name] = ns
+					}
+					b.ReportMetric(ns, "ns/op")
+					b.ReportMetric(ns/veth, "x-veth")
+					if one[d.name] > 0 {
+						b.ReportMetric(ns/one[d.name], "x-1pod")
+					}
+				})
+			}
+		})
+	}
+}
+
+// afterNATCopies loads one copy of bpf/bound per pod, each with its trie
+// of the first n benchPrefix prefixes, its judge in the shared judges and
+// its trie in the shared source map under the pod's address.
+func afterNATCopies(b *testing.B, pods, n int, ctFrom, ctTo netip.AddrPort) []*bound.Objects {
+	b.Helper()
+	first, err := bound.LoadCopy(bound.CopyOptions{CTFrom: ctFrom, CTTo: ctTo})
 	if err != nil {
 		b.Fatal(err)
 	}
-	// Each pod's trie holds the same 1,000 prefixes, the frames'
-	// destinations among them; the frames' sources are the pods.
-	for p := range 64 {
-		inner, err := ebpf.NewMap(cs.Maps["egress_by_pod_v4"].InnerMap)
+	b.Cleanup(func() { first.Close() })
+	shared := map[string]*ebpf.Map{"ct_v4": first.CtV4, "judges": first.Judges, "egress_by_pod_v4": first.EgressByPodV4}
+	copies := []*bound.Objects{first}
+	for p := 1; p < pods; p++ {
+		o, err := bound.LoadCopy(bound.CopyOptions{Slot: uint32(p), Shared: shared, CTFrom: ctFrom, CTTo: ctTo})
 		if err != nil {
 			b.Fatal(err)
 		}
-		for i := range prefixes {
-			pfx := benchPrefix("v4", i)
-			k := podfenceLpmKeyV4{Prefixlen: uint32(pfx.Bits()), Addr: pfx.Addr().As4()}
-			if err := inner.Update(&k, &podfencePolicyValue{Count: 1}, ebpf.UpdateAny); err != nil {
+		b.Cleanup(func() { o.Close() })
+		copies = append(copies, o)
+	}
+	for p, o := range copies {
+		for i := range n {
+			if err := o.PolInV4.Put(lpmKey(benchPrefix("v4", i)), make([]byte, o.PolInV4.ValueSize())); err != nil {
 				b.Fatal(err)
 			}
 		}
-		if err := o.EgressByPodV4.Update(podAddr(p), inner, ebpf.UpdateAny); err != nil {
-			b.Fatal(err)
+		if err := first.Judges.Put(uint32(p), o.JudgeAfterNat); err != nil {
+			b.Fatalf("judge of pod %d: %v", p, err)
 		}
-		inner.Close()
+		if err := first.EgressByPodV4.Put(podAddr(p), o.PolInV4); err != nil {
+			b.Fatalf("trie of pod %d: %v", p, err)
+		}
 	}
-	var base float64
-	for _, c := range []struct {
-		name string
-		prog *ebpf.Program
-		pods int // 0: new_flow, whose frames come from peers
-	}{{"new-flow", o.NewFlow, 0}, {"post-dnat-1pod", o.NewFlowPostDnat, 1}, {"post-dnat-64pods", o.NewFlowPostDnat, 64}} {
-		b.Run(c.name, func(b *testing.B) {
-			runs := make([]float64, b.N)
-			for i := 0; i < b.N; i++ {
-				p := benchPacket("v4", i%prefixes, uint16(1024+i/prefixes%60000), 80)
-				if c.pods > 0 {
-					// From a pod to a peer in the i-th prefix.
-					p.Src, p.Dst = netip.AddrFrom4(podAddrBytes(i%c.pods)), p.Src
-				}
-				ret, d, err := c.prog.Benchmark(p.Marshal(), 1, nil)
-				if err != nil || ret != VerdictAllow {
-					b.Fatalf("packet %d: verdict %#x, err %v", i, ret, err)
-				}
-				runs[i] = float64(d.Nanoseconds())
-			}
-			ns := median(runs)
-			if c.pods == 0 {
-				base = ns
-			}
-			b.ReportMetric(ns, "ns/op")
-			b.ReportMetric(ns/base, "x-new-flow")
-		})
-	}
+	return copies
 }
 
 func podAddrBytes(p int) [4]byte { return [4]byte{10, 88, byte(p >> 8), byte(p)} }

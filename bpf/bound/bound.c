@@ -11,6 +11,7 @@
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
+#include <linux/in.h>
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
@@ -154,20 +155,131 @@ int new_flow(struct __sk_buff *skb)
 	return TC_ACT_SHOT;
 }
 
-// ---- What judging a pod's egress after Service translation would add ----
+// ---- Judging a pod's egress after Service translation: three designs ----
 //
 // podfence judges a pod's egress at its veth, before kube-proxy's DNAT: it
 // sees a Service's ClusterIP, not the backend. A judge after the DNAT runs
 // where the packet leaves the node's routing (the backend pod's veth, the
-// node's uplink), one program for every pod, which finds the sending
-// pod's egress policy by the packet's source address: one more lookup, in
-// a map of maps, on a new flow. new_flow_post_dnat is new_flow with that
-// lookup (IPv4; IPv6 the same with 16-byte keys), for
-// BenchmarkPostDNATCost: it is not part of podfence.
+// node's uplink), one program for every pod, and must first find whose
+// egress policy applies. BenchmarkEgressAfterNAT (package bpf) loads one
+// copy of this object per pod, as podfence loads one datapath per
+// identifier: each copy's pol_in_v4 stands for that pod's egress trie, and
+// the copies share ct_v4, judges and egress_by_pod_v4. None of this is part
+// of podfence.
 
+// slot is this copy's index in judges (set at load).
+volatile const __u32 slot;
+
+// The judges of the node's identifiers, by slot: each copy's
+// judge_after_nat, reached by a tail call so that it reads its own maps.
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, __u32);
+} judges SEC(".maps");
+
+// The bits of skb->mark that carry slot + 1 from the veth to the device the
+// packet leaves by (0: nothing to judge). kube-proxy owns 0x4000 and
+// 0x8000, the VPC CNI 0x80; a real datapath would take its mask from the
+// configuration.
+#define SLOT_SHIFT 16
+#define SLOT_MASK (0x7ffu << SLOT_SHIFT)
+
+// stamp is the veth's half of designs M and M+C.
+static __always_inline void stamp(struct __sk_buff *skb)
+{
+	volatile __u32 *mark = &skb->mark;
+	*mark = (*mark & ~SLOT_MASK) | ((slot + 1) << SLOT_SHIFT);
+}
+
+// stamped is the slot + 1 the veth stamped, read where the packet leaves.
+static __always_inline __u32 stamped(struct __sk_buff *skb)
+{
+	volatile __u32 *mark = &skb->mark;
+	return (*mark & SLOT_MASK) >> SLOT_SHIFT;
+}
+
+// egress_new is an allowed new flow from the pod: parse, one lookup of the
+// destination in the trie, the conntrack insert.
+static __always_inline int egress_new(struct __sk_buff *skb, void *trie, const int translated)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	if (ether_type(data, end) != bpf_htons(ETH_P_IP))
+		return TC_ACT_SHOT;
+	struct iphdr *ip = data + sizeof(struct ethhdr);
+	struct l4_ports *p = (void *)(ip + 1);
+	if ((void *)(p + 1) > end)
+		return TC_ACT_SHOT;
+	struct lpm_key_v4 peer = {.prefixlen = 32};
+	__builtin_memcpy(peer.addr, &ip->daddr, 4);
+	if (!bpf_map_lookup_elem(trie, &peer))
+		return TC_ACT_SHOT;
+	// Under the tuple the pod sent, where the veth looks the flow up: cb
+	// holds it after a translation (design C), else the packet does.
+	__u32 src = ip->saddr, dst = ip->daddr;
+	__u16 dport = p->dport;
+	if (translated) {
+		// Loaded before the choice, or the compiler selects between a
+		// packet and a context pointer, which the verifier refuses.
+		__u32 osrc = skb->cb[0], odst = skb->cb[1], oport = skb->cb[2];
+		asm volatile("" : "+r"(osrc), "+r"(odst), "+r"(oport));
+		if (odst) {
+			src = osrc;
+			dst = odst;
+			dport = oport;
+		}
+	}
+	struct ct_key_v4 k = {};
+	__builtin_memcpy(k.src, &src, 4);
+	__builtin_memcpy(k.dst, &dst, 4);
+	k.ifindex = skb->ifindex;
+	k.sport = bpf_ntohs(p->sport);
+	k.dport = bpf_ntohs(dport);
+	k.proto = ip->protocol;
+	struct ct_value nv = {.last_seen_ns = now_ns(), .generation = generation()};
+	bpf_map_update_elem(&ct_v4, &k, &nv, BPF_ANY);
+	return TC_ACT_UNSPEC;
+}
+
+// veth_egress_new is today's judgement, at the sending pod's veth.
+SEC("tc")
+int veth_egress_new(struct __sk_buff *skb)
+{
+	return egress_new(skb, &pol_in_v4, 0);
+}
+
+// judge_after_nat is the same judgement after the DNAT, tail-called.
+SEC("tc")
+int judge_after_nat(struct __sk_buff *skb)
+{
+	return egress_new(skb, &pol_in_v4, 1);
+}
+
+// Design M (skb mark, tail call): the veth's program stamps its slot in the
+// packet's mark and lets it pass; where it leaves, the node's program
+// tail-calls that slot's judge. mark_then_judge is both halves in one run:
+// the mark is written and read back through the context, as at the two
+// hooks, and the tail call is the output device's.
+SEC("tc")
+int mark_then_judge(struct __sk_buff *skb)
+{
+	stamp(skb);                // at the veth
+	__u32 s = stamped(skb);    // where it leaves
+	if (!s)
+		return TC_ACT_UNSPEC; // judged at the veth (a tracked flow), or no pod's
+	skb->cb[1] = 0;            // no original tuple: the judge keys on the packet's
+	bpf_tail_call(skb, &judges, s - 1);
+	return TC_ACT_SHOT; // no judge in the slot: fail closed
+}
+
+// Design S (source address, map of maps): where the packet leaves, the
+// sending pod's trie is found by the packet's source address. A masquerade
+// or hairpin SNAT before that hook hides it.
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
-	__uint(max_entries, 1024);
+	__uint(max_entries, MAX_MEMBERS);
 	__type(key, __u32); // the sending pod's IPv4 address
 	__array(values, struct {
 		__uint(type, BPF_MAP_TYPE_LPM_TRIE);
@@ -178,35 +290,168 @@ struct {
 	});
 } egress_by_pod_v4 SEC(".maps");
 
-SEC("tc")
-int new_flow_post_dnat(struct __sk_buff *skb)
+static __always_inline void *trie_by_source(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
-	if (ether_type(data, end) != bpf_htons(ETH_P_IP))
+	struct iphdr *ip = data + sizeof(struct ethhdr);
+	if ((void *)(ip + 1) > end)
+		return 0;
+	__u32 pod = ip->saddr;
+	return bpf_map_lookup_elem(&egress_by_pod_v4, &pod);
+}
+
+SEC("tc")
+int source_then_judge(struct __sk_buff *skb)
+{
+	void *trie = trie_by_source(skb);
+	if (!trie)
 		return TC_ACT_SHOT;
+	return egress_new(skb, trie, 0);
+}
+
+// Design C (conntrack kfunc, 5.18 and later): where the packet leaves, the
+// kernel's conntrack entry (confirmed by then: POSTROUTING is over) gives
+// the tuple the pod sent, before the DNAT and any SNAT: its source finds
+// the pod for design S, its destination is where the veth sees the flow's
+// later packets and replies, so the flow's entry in ct_v4 is written under
+// it. The programs below look up the entry the benchmark created (a fixed
+// tuple: the cost of a hash lookup does not depend on it), read its
+// original tuple and release it; the judge then reads that tuple from cb.
+
+// Only the fields read, relocated against the kernel's types (CO-RE).
+struct nf_conntrack_tuple___pf {
+	struct {
+		union {
+			__be32 ip;
+		} u3;
+		union {
+			__be16 all;
+		} u;
+	} src;
+	struct {
+		union {
+			__be32 ip;
+		} u3;
+		union {
+			__be16 all;
+		} u;
+	} dst;
+} __attribute__((preserve_access_index));
+struct nf_conntrack_tuple_hash___pf {
+	struct nf_conntrack_tuple___pf tuple;
+} __attribute__((preserve_access_index));
+struct nf_conn {
+	struct nf_conntrack_tuple_hash___pf tuplehash[2];
+} __attribute__((preserve_access_index));
+
+struct bpf_ct_opts___local {
+	__s32 netns_id;
+	__s32 error;
+	__u8 l4proto;
+	__u8 dir;
+	__u8 reserved[2];
+}; // the 12 bytes 5.18 to 6.18 accept
+extern struct nf_conn *bpf_skb_ct_lookup(struct __sk_buff *, struct bpf_sock_tuple *, __u32,
+					 struct bpf_ct_opts___local *, __u32) __ksym __weak;
+extern void bpf_ct_release(struct nf_conn *) __ksym __weak;
+
+// The benchmark's conntrack entry, looked up instead of the packet's when
+// ct_fixed is set: the cost of a hash lookup does not depend on the tuple.
+volatile const __u8 ct_fixed;
+volatile const __u32 ct_saddr, ct_daddr;
+volatile const __u16 ct_sport, ct_dport;
+
+// original_tuple puts the original source, destination and destination
+// port of the packet's conntrack entry in cb[0..2]. After a DNAT (and any
+// SNAT) the packet's own tuple, reversed, is the entry's reply tuple. 0
+// when there is no entry, or no kfunc.
+static __always_inline int original_tuple(struct __sk_buff *skb)
+{
+	if (!bpf_skb_ct_lookup) // weak: 0 where the kernel has no such kfunc
+		return 0;
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
 	struct iphdr *ip = data + sizeof(struct ethhdr);
 	struct l4_ports *p = (void *)(ip + 1);
 	if ((void *)(p + 1) > end)
+		return 0;
+	struct bpf_sock_tuple t = {};
+	if (ct_fixed) {
+		t.ipv4.saddr = ct_saddr;
+		t.ipv4.daddr = ct_daddr;
+		t.ipv4.sport = ct_sport;
+		t.ipv4.dport = ct_dport;
+	} else {
+		t.ipv4.saddr = ip->daddr;
+		t.ipv4.daddr = ip->saddr;
+		t.ipv4.sport = p->dport;
+		t.ipv4.dport = p->sport;
+	}
+	struct bpf_ct_opts___local o = {.netns_id = -1, .l4proto = ip->protocol};
+	struct nf_conn *ct = bpf_skb_ct_lookup(skb, &t, sizeof(t.ipv4), &o, sizeof(o));
+	if (!ct)
+		return 0;
+	skb->cb[0] = ct->tuplehash[0].tuple.src.u3.ip;
+	skb->cb[1] = ct->tuplehash[0].tuple.dst.u3.ip;
+	skb->cb[2] = ct->tuplehash[0].tuple.dst.u.all;
+	bpf_ct_release(ct);
+	return 1;
+}
+
+SEC("tc")
+int ct_then_judge(struct __sk_buff *skb)
+{
+	if (!original_tuple(skb))
 		return TC_ACT_SHOT;
-	// The packet leaves the pod: its source is the pod, its destination
-	// the backend the DNAT chose.
-	__u32 pod = ip->saddr;
+	// By the packet's source: the entry is the benchmark's one, and the
+	// source is the original one where no SNAT changed it (the same lookup).
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct iphdr *ip = data + sizeof(struct ethhdr);
+	if ((void *)(ip + 1) > end)
+		return TC_ACT_SHOT;
+	__u32 pod = skb->cb[0];
+	if (pod == ct_saddr)
+		pod = ip->saddr;
 	void *trie = bpf_map_lookup_elem(&egress_by_pod_v4, &pod);
 	if (!trie)
 		return TC_ACT_SHOT;
-	struct lpm_key_v4 peer = {.prefixlen = 32};
-	__builtin_memcpy(peer.addr, &ip->daddr, 4);
-	if (!bpf_map_lookup_elem(trie, &peer))
-		return TC_ACT_SHOT;
-	struct ct_key_v4 k = {};
-	__builtin_memcpy(k.src, &ip->saddr, 4);
-	__builtin_memcpy(k.dst, &ip->daddr, 4);
-	k.ifindex = skb->ifindex;
-	k.sport = bpf_ntohs(p->sport);
-	k.dport = bpf_ntohs(p->dport);
-	k.proto = ip->protocol;
-	struct ct_value nv = {.last_seen_ns = now_ns(), .generation = generation()};
-	bpf_map_update_elem(&ct_v4, &k, &nv, BPF_ANY);
+	return egress_new(skb, trie, 0);
+}
+
+// Design M+C: the mark finds the judge, the kfunc the flow's original
+// tuple. stamp_slot is the veth's half, after_nat the half where the packet
+// leaves (TestAfterNATFacilities attaches both); mark_then_ct_judge is
+// both in one run, for the benchmark.
+
+static __always_inline int dispatch(struct __sk_buff *skb)
+{
+	__u32 s = stamped(skb);
+	if (!s)
+		return TC_ACT_UNSPEC; // judged at the veth (a tracked flow), or no pod's
+	if (!original_tuple(skb))
+		return TC_ACT_SHOT; // cannot be judged after the DNAT: fail closed
+	bpf_tail_call(skb, &judges, s - 1);
+	return TC_ACT_SHOT; // no judge in the slot: fail closed
+}
+
+SEC("tc")
+int stamp_slot(struct __sk_buff *skb)
+{
+	stamp(skb);
 	return TC_ACT_UNSPEC;
+}
+
+SEC("tc")
+int after_nat(struct __sk_buff *skb)
+{
+	return dispatch(skb);
+}
+
+SEC("tc")
+int mark_ct_then_judge(struct __sk_buff *skb)
+{
+	stamp(skb);
+	return dispatch(skb);
 }

@@ -91,14 +91,28 @@ const (
 	boundMapCtV4             = "ct_v4"
 	boundMapCtV6             = "ct_v6"
 	boundMapEgressByPodV4    = "egress_by_pod_v4"
+	boundMapJudges           = "judges"
 	boundMapPolInV4          = "pol_in_v4"
 	boundMapPolInV6          = "pol_in_v6"
 	boundMapState            = "state"
 	boundMapTickClock        = "tick_clock"
+	boundProgAfterNat        = "after_nat"
 	boundProgCtHit           = "ct_hit"
+	boundProgCtThenJudge     = "ct_then_judge"
+	boundProgJudgeAfterNat   = "judge_after_nat"
+	boundProgMarkCtThenJudge = "mark_ct_then_judge"
+	boundProgMarkThenJudge   = "mark_then_judge"
 	boundProgNewFlow         = "new_flow"
-	boundProgNewFlowPostDnat = "new_flow_post_dnat"
+	boundProgSourceThenJudge = "source_then_judge"
+	boundProgStampSlot       = "stamp_slot"
+	boundProgVethEgressNew   = "veth_egress_new"
 	boundVarCoarseClock      = "coarse_clock"
+	boundVarCtDaddr          = "ct_daddr"
+	boundVarCtDport          = "ct_dport"
+	boundVarCtFixed          = "ct_fixed"
+	boundVarCtSaddr          = "ct_saddr"
+	boundVarCtSport          = "ct_sport"
+	boundVarSlot             = "slot"
 )
 
 // loadBound returns the embedded CollectionSpec for bound.
@@ -143,9 +157,16 @@ type boundSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundProgramSpecs struct {
+	AfterNat        *ebpf.ProgramSpec `ebpf:"after_nat"`
 	CtHit           *ebpf.ProgramSpec `ebpf:"ct_hit"`
+	CtThenJudge     *ebpf.ProgramSpec `ebpf:"ct_then_judge"`
+	JudgeAfterNat   *ebpf.ProgramSpec `ebpf:"judge_after_nat"`
+	MarkCtThenJudge *ebpf.ProgramSpec `ebpf:"mark_ct_then_judge"`
+	MarkThenJudge   *ebpf.ProgramSpec `ebpf:"mark_then_judge"`
 	NewFlow         *ebpf.ProgramSpec `ebpf:"new_flow"`
-	NewFlowPostDnat *ebpf.ProgramSpec `ebpf:"new_flow_post_dnat"`
+	SourceThenJudge *ebpf.ProgramSpec `ebpf:"source_then_judge"`
+	StampSlot       *ebpf.ProgramSpec `ebpf:"stamp_slot"`
+	VethEgressNew   *ebpf.ProgramSpec `ebpf:"veth_egress_new"`
 }
 
 // boundMapSpecs contains maps before they are loaded into the kernel.
@@ -155,6 +176,7 @@ type boundMapSpecs struct {
 	CtV4          *ebpf.MapSpec `ebpf:"ct_v4"`
 	CtV6          *ebpf.MapSpec `ebpf:"ct_v6"`
 	EgressByPodV4 *ebpf.MapSpec `ebpf:"egress_by_pod_v4"`
+	Judges        *ebpf.MapSpec `ebpf:"judges"`
 	PolInV4       *ebpf.MapSpec `ebpf:"pol_in_v4"`
 	PolInV6       *ebpf.MapSpec `ebpf:"pol_in_v6"`
 	State         *ebpf.MapSpec `ebpf:"state"`
@@ -166,6 +188,12 @@ type boundMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type boundVariableSpecs struct {
 	CoarseClock *ebpf.VariableSpec `ebpf:"coarse_clock"`
+	CtDaddr     *ebpf.VariableSpec `ebpf:"ct_daddr"`
+	CtDport     *ebpf.VariableSpec `ebpf:"ct_dport"`
+	CtFixed     *ebpf.VariableSpec `ebpf:"ct_fixed"`
+	CtSaddr     *ebpf.VariableSpec `ebpf:"ct_saddr"`
+	CtSport     *ebpf.VariableSpec `ebpf:"ct_sport"`
+	Slot        *ebpf.VariableSpec `ebpf:"slot"`
 }
 
 // boundObjects contains all objects after they have been loaded into the kernel.
@@ -191,6 +219,7 @@ type boundMaps struct {
 	CtV4          *ebpf.Map `ebpf:"ct_v4"`
 	CtV6          *ebpf.Map `ebpf:"ct_v6"`
 	EgressByPodV4 *ebpf.Map `ebpf:"egress_by_pod_v4"`
+	Judges        *ebpf.Map `ebpf:"judges"`
 	PolInV4       *ebpf.Map `ebpf:"pol_in_v4"`
 	PolInV6       *ebpf.Map `ebpf:"pol_in_v6"`
 	State         *ebpf.Map `ebpf:"state"`
@@ -202,6 +231,7 @@ func (m *boundMaps) Close() error {
 		m.CtV4,
 		m.CtV6,
 		m.EgressByPodV4,
+		m.Judges,
 		m.PolInV4,
 		m.PolInV6,
 		m.State,
@@ -214,22 +244,42 @@ func (m *boundMaps) Close() error {
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundVariables struct {
 	CoarseClock *ebpf.Variable `ebpf:"coarse_clock"`
+	CtDaddr     *ebpf.Variable `ebpf:"ct_daddr"`
+	CtDport     *ebpf.Variable `ebpf:"ct_dport"`
+	CtFixed     *ebpf.Variable `ebpf:"ct_fixed"`
+	CtSaddr     *ebpf.Variable `ebpf:"ct_saddr"`
+	CtSport     *ebpf.Variable `ebpf:"ct_sport"`
+	Slot        *ebpf.Variable `ebpf:"slot"`
 }
 
 // boundPrograms contains all programs after they have been loaded into the kernel.
 //
 // It can be passed to loadBoundObjects or ebpf.CollectionSpec.LoadAndAssign.
 type boundPrograms struct {
+	AfterNat        *ebpf.Program `ebpf:"after_nat"`
 	CtHit           *ebpf.Program `ebpf:"ct_hit"`
+	CtThenJudge     *ebpf.Program `ebpf:"ct_then_judge"`
+	JudgeAfterNat   *ebpf.Program `ebpf:"judge_after_nat"`
+	MarkCtThenJudge *ebpf.Program `ebpf:"mark_ct_then_judge"`
+	MarkThenJudge   *ebpf.Program `ebpf:"mark_then_judge"`
 	NewFlow         *ebpf.Program `ebpf:"new_flow"`
-	NewFlowPostDnat *ebpf.Program `ebpf:"new_flow_post_dnat"`
+	SourceThenJudge *ebpf.Program `ebpf:"source_then_judge"`
+	StampSlot       *ebpf.Program `ebpf:"stamp_slot"`
+	VethEgressNew   *ebpf.Program `ebpf:"veth_egress_new"`
 }
 
 func (p *boundPrograms) Close() error {
 	return _BoundClose(
+		p.AfterNat,
 		p.CtHit,
+		p.CtThenJudge,
+		p.JudgeAfterNat,
+		p.MarkCtThenJudge,
+		p.MarkThenJudge,
 		p.NewFlow,
-		p.NewFlowPostDnat,
+		p.SourceThenJudge,
+		p.StampSlot,
+		p.VethEgressNew,
 	)
 }
 

@@ -3,9 +3,10 @@
 // DESIGN.md prescribes for it, on podfence's own map definitions and clock.
 // A conntrack hit is one lookup of the conntrack key, the generation check
 // and the refresh of last_seen; an allowed new flow is one trie lookup and
-// one conntrack insert. A third, new_flow_post_dnat, is an allowed new flow
-// judged after Service translation, where the sending pod's policy is
-// found by the packet's source address (BenchmarkPostDNATCost).
+// one conntrack insert. The rest price ways of judging a pod's egress after
+// Service translation (BenchmarkEgressAfterNAT) and show the kernel does
+// what the chosen one needs (TestAfterNATFacilities); LoadCopy loads one
+// copy per pod for them.
 //
 // It is not part of podfence: BenchmarkLowerBound (package bpf) runs it
 // beside BenchmarkDatapath, so that a reader can tell the cost of
