@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -76,7 +75,7 @@ func TestAfterNATFacilities(t *testing.T) {
 			nftRules += "}\n"
 			nsRun(t, node, "sh", "-c", rules)
 			nsRunInput(t, node, nftRules, "nft", "-f", "-")
-			seen := listenRecording(t, back, backend.Port())
+			seen := netnsutil.Listen(t, back, backend.Port())
 
 			o, err := bound.LoadCopy(bound.CopyOptions{Slot: 0})
 			if err != nil {
@@ -171,46 +170,6 @@ func nsRunInput(t *testing.T, n ns.NetNS, stdin, name string, args ...string) {
 	cmd.Stdin = strings.NewReader(stdin)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
-	}
-}
-
-// listenRecording accepts TCP connections on port in n and returns the
-// source address of the last one accepted.
-func listenRecording(t *testing.T, n ns.NetNS, port uint16) func() netip.Addr {
-	t.Helper()
-	var ln net.Listener
-	netnsutil.Do(t, n, func() error {
-		var err error
-		ln, err = net.Listen("tcp4", ":"+itoa(port))
-		return err
-	})
-	var (
-		mu   sync.Mutex
-		last netip.Addr
-		wg   sync.WaitGroup
-	)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			last = c.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap()
-			mu.Unlock()
-			c.Close()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		wg.Wait()
-	})
-	return func() netip.Addr {
-		mu.Lock()
-		defer mu.Unlock()
-		return last
 	}
 }
 

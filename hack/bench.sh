@@ -77,6 +77,14 @@ echo "$out" | awk '/^BenchmarkTiers/ {
 	printf "  %-26s %6s ns  x previous build %s\n", name, v["ns/op"], (name ~ /^ct-hit/ ? "-" : v["x-previous"])
 }'
 echo
+echo "judging egress after Service translation: four designs beside today's, each pod its own identifier (BenchmarkEgressAfterNAT, median single run)"
+out=$(cd bpf && taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkEgressAfterNAT' -test.benchtime 10000x)
+echo "$out" | awk '/^BenchmarkEgressAfterNAT/ {
+	name=$1; sub(/^BenchmarkEgressAfterNAT\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  %-32s %6s ns  x today %s\n", name, v["ns/op"], v["x-veth"]
+}'
+echo
 echo "one change of a cluster-wide Admin policy, 100 identifiers (BenchmarkClusterChange)"
 out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/reprogram' -test.benchtime 5x;
 	/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/recheck' -test.benchtime 2000x)

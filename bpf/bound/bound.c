@@ -320,23 +320,19 @@ int source_then_judge(struct __sk_buff *skb)
 // original tuple and release it; the judge then reads that tuple from cb.
 
 // Only the fields read, relocated against the kernel's types (CO-RE).
+// One end of a tuple: CO-RE matches members by name, so the one local type
+// serves for the kernel's src (nf_conntrack_man) and its anonymous dst.
+struct nf_conntrack_man___pf {
+	union {
+		__be32 ip;
+	} u3;
+	union {
+		__be16 all;
+	} u;
+} __attribute__((preserve_access_index));
 struct nf_conntrack_tuple___pf {
-	struct {
-		union {
-			__be32 ip;
-		} u3;
-		union {
-			__be16 all;
-		} u;
-	} src;
-	struct {
-		union {
-			__be32 ip;
-		} u3;
-		union {
-			__be16 all;
-		} u;
-	} dst;
+	struct nf_conntrack_man___pf src;
+	struct nf_conntrack_man___pf dst;
 } __attribute__((preserve_access_index));
 struct nf_conntrack_tuple_hash___pf {
 	struct nf_conntrack_tuple___pf tuple;

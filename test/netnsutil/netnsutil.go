@@ -188,8 +188,10 @@ func (p *Pair) DeleteHostVeth(tb testing.TB) {
 }
 
 // Listen accepts TCP connections on port (all addresses, IPv4 and IPv6) in
-// n and closes each at once. The listener is closed when the test ends.
-func Listen(tb testing.TB, n ns.NetNS, port uint16) {
+// n and closes each at once. The listener is closed when the test ends. The
+// function returned tells the source address of the last connection
+// accepted (what a SNAT made of it), the zero Addr before the first.
+func Listen(tb testing.TB, n ns.NetNS, port uint16) (lastFrom func() netip.Addr) {
 	tb.Helper()
 	var ln net.Listener
 	Do(tb, n, func() error {
@@ -197,7 +199,11 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) {
 		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
 		return err
 	})
-	var wg sync.WaitGroup
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		last netip.Addr
+	)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -206,6 +212,9 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) {
 			if err != nil {
 				return
 			}
+			mu.Lock()
+			last = c.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap()
+			mu.Unlock()
 			c.Close()
 		}
 	}()
@@ -213,6 +222,11 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) {
 		ln.Close()
 		wg.Wait()
 	})
+	return func() netip.Addr {
+		mu.Lock()
+		defer mu.Unlock()
+		return last
+	}
 }
 
 // Dial opens a TCP connection from n to dst and closes it again.
