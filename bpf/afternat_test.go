@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net"
 	"net/netip"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -64,17 +65,18 @@ func TestAfterNATFacilities(t *testing.T) {
 			bv := netnsutil.AddVeth(t, node, back, "bck", backNet, netip.PrefixFrom(backend.Addr(), 24))
 			defaultRoute(t, cli, clientNet.Addr())
 			defaultRoute(t, back, backNet.Addr())
-			rules := "sysctl -qw net.ipv4.ip_forward=1 2>/dev/null || echo 1 >/proc/sys/net/ipv4/ip_forward\n"
 			nftRules := "table ip kp {\n chain pre { type nat hook prerouting priority -100;\n" +
-				"  ip daddr " + clusterIP.Addr().String() + " tcp dport " + itoa(clusterIP.Port()) +
+				"  ip daddr " + clusterIP.Addr().String() + " tcp dport " + strconv.Itoa(int(clusterIP.Port())) +
 				" dnat to " + backend.String() + "\n }\n"
 			if masquerade {
 				nftRules += " chain post { type nat hook postrouting priority 100;\n" +
 					"  oifname \"bck\" ip saddr " + client.Addr().String() + " masquerade\n }\n"
 			}
 			nftRules += "}\n"
-			nsRun(t, node, "sh", "-c", rules)
-			nsRunInput(t, node, nftRules, "nft", "-f", "-")
+			netnsutil.Do(t, node, func() error {
+				return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644) // this namespace's
+			})
+			nsRun(t, node, nftRules, "nft", "-f", "-")
 			seen := netnsutil.Listen(t, back, backend.Port())
 
 			o, err := bound.LoadCopy(bound.CopyOptions{Slot: 0})
@@ -101,10 +103,6 @@ func TestAfterNATFacilities(t *testing.T) {
 			if netnsutil.Connects(t, cli, clusterIP, 300*time.Millisecond, 2) {
 				t.Fatalf("connected to %s with no rule for its backend %s", clusterIP, backend)
 			}
-			// Unstamped traffic to the same backend is not judged there.
-			if !netnsutil.Connects(t, node, backend, time.Second, 3) {
-				t.Fatalf("the node's own connection to %s was dropped", backend)
-			}
 			// Named: admitted, and the flow is recorded under the tuple the
 			// pod sent.
 			if err := o.PolInV4.Put(backendKey, make([]byte, o.PolInV4.ValueSize())); err != nil {
@@ -113,7 +111,12 @@ func TestAfterNATFacilities(t *testing.T) {
 			if !netnsutil.Connects(t, cli, clusterIP, time.Second, 3) {
 				t.Fatalf("connection to %s refused with a rule for its backend %s", clusterIP, backend)
 			}
+			// The backend's accept may be recorded after the dial returned;
+			// nothing else has reached it yet.
 			from := seen()
+			for deadline := time.Now().Add(2 * time.Second); !from.IsValid() && time.Now().Before(deadline); from = seen() {
+				time.Sleep(10 * time.Millisecond)
+			}
 			wantFrom := client.Addr()
 			if masquerade {
 				wantFrom = backNet.Addr()
@@ -145,6 +148,10 @@ func TestAfterNATFacilities(t *testing.T) {
 			if netnsutil.Connects(t, cli, clusterIP, 300*time.Millisecond, 2) {
 				t.Fatalf("connected to %s after its backend's rule was removed", clusterIP)
 			}
+			// Unstamped traffic to the same backend is not judged there.
+			if !netnsutil.Connects(t, node, backend, time.Second, 3) {
+				t.Fatalf("the node's own connection to %s was dropped", backend)
+			}
 		})
 	}
 }
@@ -157,20 +164,13 @@ func defaultRoute(t *testing.T, n ns.NetNS, gw netip.Addr) {
 	})
 }
 
-// nsRun runs a command in n's network namespace (nsenter: no remount of
-// /sys, unlike ip netns exec).
-func nsRun(t *testing.T, n ns.NetNS, name string, args ...string) {
-	t.Helper()
-	nsRunInput(t, n, "", name, args...)
-}
-
-func nsRunInput(t *testing.T, n ns.NetNS, stdin, name string, args ...string) {
-	t.Helper()
+// nsRun runs a command with stdin in n's network namespace (nsenter: no
+// remount of /sys, unlike ip netns exec).
+func nsRun(tb testing.TB, n ns.NetNS, stdin, name string, args ...string) {
+	tb.Helper()
 	cmd := exec.Command("nsenter", append([]string{"--net=" + n.Path(), name}, args...)...)
 	cmd.Stdin = strings.NewReader(stdin)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
+		tb.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
 	}
 }
-
-func itoa(p uint16) string { return strconv.Itoa(int(p)) }

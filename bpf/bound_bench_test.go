@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
-	"os/exec"
 	"strings"
 	"testing"
 
@@ -169,12 +168,10 @@ func BenchmarkEgressAfterNAT(b *testing.B) {
 	// The conntrack entry design C finds, in a namespace of the run's own.
 	ctFrom, ctTo := netip.MustParseAddrPort("10.88.0.1:40000"), netip.MustParseAddrPort("10.96.0.10:80")
 	n := netnsutil.New(b)
-	if out, err := exec.Command("nsenter", "--net="+n.Path(), "conntrack", "-I", "-p", "tcp",
+	nsRun(b, n, "", "conntrack", "-I", "-p", "tcp",
 		"-s", ctFrom.Addr().String(), "-d", ctTo.Addr().String(),
 		"--sport", fmt.Sprint(ctFrom.Port()), "--dport", fmt.Sprint(ctTo.Port()),
-		"--state", "ESTABLISHED", "--timeout", "600").CombinedOutput(); err != nil {
-		b.Fatalf("conntrack -I: %v: %s", err, out)
-	}
+		"--state", "ESTABLISHED", "--timeout", "600")
 	one := map[string]float64{}
 	for _, pods := range []int{1, 110} {
 		b.Run(fmt.Sprintf("%dpods", pods), func(b *testing.B) {
