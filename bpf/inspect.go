@@ -29,6 +29,11 @@ type IdentifierInfo struct {
 	// Layout is what the identifier's layout marker records ("v1
 	// object=..."); empty for pins made before markers were written.
 	Layout string
+	// Slot is the identifier's slot (slots.go): its pods' Service flows
+	// are judged on their backends. -1: on their frontends, at the veth
+	// (a kernel without the conntrack kfuncs, no slot left, or programs
+	// of an earlier build).
+	Slot int
 }
 
 // Allowed and Denied are the packets the identifier's programs passed and
@@ -102,8 +107,12 @@ func InspectIdentifier(dir string, id podid.ID) (IdentifierInfo, error) {
 	if info.Counters, err = i.ReadCounters(); err != nil {
 		return info, err
 	}
+	info.Slot = -1
 	if hasMarker {
 		info.Layout = mk.String()
+		if mk.hasSlot {
+			info.Slot = int(mk.slot)
+		}
 	}
 	info.Ingress, info.Egress, err = PinnedProgramIDs(dir)
 	return info, err

@@ -102,6 +102,10 @@ var layouts = map[string]mapLayout{
 	pinpath.MapPolEgV4Side1: {ebpf.LPMTrie, lpmV4Size, policyVSize, trieCapacity, carryCopy, 1, nil},
 	pinpath.MapPolEgV6Side1: {ebpf.LPMTrie, lpmV6Size, policyVSize, trieCapacity, carryCopy, 1, nil},
 	pinpath.MapTiersSide1:   {ebpf.LPMTrie, tierKeySize, tierValSize, tierCapacity, carryCopy, 1, nil},
+	// New in layout 5 (service.h). The sweeper rewrites the frontends;
+	// each identifier installs its programs at its slot when it opens.
+	mapServices: {ebpf.Hash, uint32(unsafe.Sizeof(podfenceServiceKey{})), 1, 65536, carryCopy, 1, nil},
+	mapJudges:   {ebpf.ProgramArray, 4, 4, 2 * (MaxSlots + 1), carryFresh, 1, nil},
 }
 
 // maxMembers is MAX_MEMBERS in maps.h: the members of one identifier on
@@ -116,6 +120,8 @@ func reasonsIn(layout uint32) uint32 {
 		return 11 // before REASON_SPOOFED
 	case 2:
 		return 12 // before the tiers' reasons
+	case 3, 4:
+		return 16 // before REASON_UNTRANSLATED
 	}
 	return uint32(NumReasons)
 }

@@ -89,14 +89,18 @@ const (
 	mapEventBudget = pinpath.MapEventBudget
 	mapFrags       = pinpath.MapFrags
 	mapTickClock   = pinpath.MapTickClock
+	mapServices    = pinpath.MapServices
+	mapJudges      = pinpath.MapJudges
 	mapState       = pinpath.MapState
 	mapCounters    = pinpath.MapCounters
 	mapPortSets    = pinpath.MapPortSets
 	mapSources     = pinpath.MapSources
 	mapTiers       = pinpath.MapTiers
 
-	progIngress = "pod_ingress"
-	progEgress  = "pod_egress"
+	progIngress  = "pod_ingress"
+	progEgress   = "pod_egress"
+	progAfterNAT = "pod_after_nat"
+	progUplink   = "uplink_after_nat"
 )
 
 var globalMaps = pinpath.GlobalMaps()
@@ -172,6 +176,10 @@ type Global struct {
 	EventBudget *ebpf.Map
 	Frags       *ebpf.Map
 	TickClock   *ebpf.Map
+	// The Service frontends (services.go) and the identifiers' judges by
+	// slot (slots.go), for judging Service flows after the translation.
+	Services *ebpf.Map
+	Judges   *ebpf.Map
 
 	// Renewal is what opening changed: the maps of an earlier layout it
 	// replaced (Programs is always false here).
@@ -248,6 +256,8 @@ func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 		EventBudget: s.maps[mapEventBudget],
 		Frags:       s.maps[mapFrags],
 		TickClock:   s.maps[mapTickClock],
+		Services:    s.maps[mapServices],
+		Judges:      s.maps[mapJudges],
 		Renewal:     rn,
 		dir:         dir,
 	}, nil
@@ -299,6 +309,8 @@ func (g *Global) replacements() map[string]*ebpf.Map {
 		mapEventBudget: g.EventBudget,
 		mapFrags:       g.Frags,
 		mapTickClock:   g.TickClock,
+		mapServices:    g.Services,
+		mapJudges:      g.Judges,
 	}
 }
 
@@ -311,6 +323,11 @@ type Datapath struct {
 	global *Global
 
 	Ingress, Egress *ebpf.Program
+	// AfterNAT judges the identifier's Service flows after the
+	// translation, at Slot of the node's judges map; nil (and Slot -1)
+	// where the kernel lacks the conntrack kfuncs (service.h).
+	AfterNAT        *ebpf.Program
+	Slot            int
 	State, Counters *ebpf.Map
 	// The two sides of the policy; the generation's parity selects the
 	// one in force (policy.go).
@@ -359,10 +376,13 @@ func OpenExistingIdentifier(g *Global, dir string, id podid.ID) (*Datapath, erro
 	if err != nil {
 		return nil, fmt.Errorf("identifier %q: %w", id, err)
 	}
-	ident := &Datapath{ID: id, Dir: dir, global: g}
+	ident := &Datapath{ID: id, Dir: dir, global: g, Slot: -1}
 	fields := ident.mapFields()
 	for name, m := range s.maps {
 		*fields[name] = m
+	}
+	if s.marker.hasSlot {
+		ident.Slot = int(s.marker.slot)
 	}
 	reused, err := ident.openPinnedPrograms(g)
 	if err == nil && !reused {
@@ -432,10 +452,13 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	if err != nil {
 		return nil, Renewal{}, fmt.Errorf("identifier %q: %w", id, err)
 	}
-	ident := &Datapath{ID: id, Dir: dir, global: g}
+	ident := &Datapath{ID: id, Dir: dir, global: g, Slot: -1}
 	fields := ident.mapFields()
 	for name, m := range s.maps {
 		*fields[name] = m
+	}
+	if s.marker.hasSlot {
+		ident.Slot = int(s.marker.slot)
 	}
 	rn := Renewal{From: s.from, Maps: s.renewed}
 	fail := func(err error) (*Datapath, Renewal, error) {
@@ -461,10 +484,21 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	sameBuild := s.marker.object == objectID()
 	if len(s.renewed) == 0 && (!renew || sameBuild) {
 		reused, err := ident.openPinnedPrograms(g)
-		if err == nil && reused {
+		if err == nil && reused && ident.judgeMatches() {
+			// Installed again on every open: the judges map may be a
+			// new one (its layout's take-over creates it empty).
+			if ident.AfterNAT != nil {
+				if err := g.installJudge(uint32(ident.Slot), ident.AfterNAT, ident.Ingress); err != nil {
+					return fail(err)
+				}
+			}
 			rn.MovePending = sameBuild && s.marker.moving
 			ident.moving = rn.MovePending
 			return ident, rn, nil
+		}
+		if err == nil && reused { // programs of a kernel with(out) the kfuncs
+			closeAll(ident.Ingress, ident.Egress, ident.AfterNAT)
+			ident.Ingress, ident.Egress, ident.AfterNAT = nil, nil, nil
 		}
 		if err != nil && !renew {
 			return fail(err)
@@ -474,6 +508,18 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	_, errEg := os.Stat(filepath.Join(dir, pinpath.ProgEgress))
 	rn.Programs = errIn == nil || errEg == nil
 	rn.MovePending = rn.Programs
+	ident.Slot = -1
+	if afterNATSupported() {
+		slot, err := g.reserveSlot(dir, s.marker.slot, s.marker.hasSlot)
+		switch {
+		case err == nil:
+			ident.Slot = int(slot)
+		case !errors.Is(err, ErrNoSlot):
+			return fail(err)
+		}
+		// No slot left: this identifier's Service flows are judged on
+		// the frontend, at the veth (service.h); ls reports it.
+	}
 	if err := ident.loadPrograms(g); err != nil {
 		return fail(err)
 	}
@@ -487,7 +533,15 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	if err := ident.pinPrograms(); err != nil {
 		return fail(err)
 	}
-	if err := writeMarker(dir, marker{version: LayoutVersion, object: objectID(), moving: rn.MovePending}); err != nil {
+	mk := marker{version: LayoutVersion, object: objectID(), moving: rn.MovePending}
+	if ident.AfterNAT != nil {
+		// Installed before any member runs programs that stamp the slot.
+		if err := g.installJudge(uint32(ident.Slot), ident.AfterNAT, ident.Ingress); err != nil {
+			return fail(err)
+		}
+		mk.slot, mk.hasSlot = uint32(ident.Slot), true
+	}
+	if err := writeMarker(dir, mk); err != nil {
 		return fail(err)
 	}
 	ident.moving = rn.MovePending
@@ -555,7 +609,31 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 		}
 	}
 	i.Ingress, i.Egress = ingress, egress
+	judge, err := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgAfterNAT), nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return true, nil
+	}
+	if err == nil {
+		err = checkProgram(judge, progAfterNAT, want)
+		if err != nil {
+			err = fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, pinpath.ProgAfterNAT), ErrIncompatiblePin, err)
+		}
+	} else {
+		err = fmt.Errorf("load pinned program: %w", err)
+	}
+	if err != nil {
+		closeAll(ingress, egress, judge)
+		i.Ingress, i.Egress = nil, nil
+		return false, err
+	}
+	i.AfterNAT = judge
 	return true, nil
+}
+
+// judgeMatches reports whether the pinned programs and the marker agree on
+// the identifier's judge: programs loaded with a slot have one pinned.
+func (i *Datapath) judgeMatches() bool {
+	return (i.AfterNAT != nil) == (i.Slot >= 0)
 }
 
 func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error {
@@ -610,21 +688,31 @@ var constantSections = sync.OnceValue(func() int {
 	return n
 })
 
-// loadPrograms loads the two programs at once, unpinned, each in a
-// goroutine of its own: the kernel verifies privileged loads concurrently,
-// and verification is most of what a first replica's ADD waits for.
+// loadPrograms loads the programs at once, unpinned, each in a goroutine
+// of its own: the kernel verifies privileged loads concurrently, and
+// verification is most of what a first replica's ADD waits for. With a
+// slot, the judge too, and all three know the slot.
 func (i *Datapath) loadPrograms(g *Global) error {
 	cs, err := loadableSpec()
 	if err != nil {
 		return err
 	}
+	names := []string{progIngress, progEgress}
+	if i.Slot >= 0 {
+		if err := cs.Variables["slot"].Set(uint32(i.Slot)); err != nil {
+			return fmt.Errorf("set slot: %w", err)
+		}
+		if err := cs.Variables["after_nat"].Set(uint8(1)); err != nil {
+			return fmt.Errorf("set after_nat: %w", err)
+		}
+		names = append(names, progAfterNAT)
+	}
 	repl := g.replacements()
 	for name, m := range i.mapFields() {
 		repl[name] = *m
 	}
-	names := [...]string{progIngress, progEgress}
-	var progs [len(names)]*ebpf.Program
-	var errs [len(names)]error
+	progs := make([]*ebpf.Program, len(names))
+	errs := make([]error, len(names))
 	var wg sync.WaitGroup
 	for k, name := range names {
 		wg.Add(1)
@@ -645,6 +733,9 @@ func (i *Datapath) loadPrograms(g *Global) error {
 		return err
 	}
 	i.Ingress, i.Egress = progs[0], progs[1]
+	if len(progs) > 2 {
+		i.AfterNAT = progs[2]
+	}
 	return nil
 }
 
@@ -658,7 +749,14 @@ func (i *Datapath) pinPrograms() error {
 			return err
 		}
 	}
-	return nil
+	judge := filepath.Join(i.Dir, pinpath.ProgAfterNAT)
+	if i.AfterNAT == nil {
+		if err := os.Remove(judge); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("remove %s: %w", judge, err)
+		}
+		return nil
+	}
+	return pinReplacing(i.AfterNAT, judge)
 }
 
 // loadProgram loads the program name of cs alone, with the maps of repl.
@@ -715,7 +813,7 @@ func (i *Datapath) maps() []*ebpf.Map {
 // Close releases the file descriptors; the pins stay.
 func (i *Datapath) Close() error {
 	err := closeAll(i.maps()...)
-	return errors.Join(err, closeAll(i.Ingress, i.Egress))
+	return errors.Join(err, closeAll(i.Ingress, i.Egress, i.AfterNAT))
 }
 
 // RemoveObjects removes the pinned programs and maps of an identifier's
@@ -727,7 +825,7 @@ func RemoveObjects(dir string) error {
 	if dir == "" {
 		return errors.New("remove objects: no directory")
 	}
-	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress}, identifierMaps...) // programs first, as in RemoveIdentifier
+	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.ProgAfterNAT}, identifierMaps...) // programs first, as in RemoveIdentifier
 	pins = append(pins, pinpath.Layout)
 	for _, pin := range pins {
 		// A kill between pinning and renaming (pinReplacing, writeMarker)

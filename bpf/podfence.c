@@ -22,6 +22,7 @@
 #include "clock.h"
 #include "parse.h"
 #include "calls.h"
+#include "service.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -414,7 +415,8 @@ static __always_inline int judge(int dir, const int family, __u32 side, __u8 enf
 // reason_denies tells the reasons judge gives to a flow it drops.
 static __always_inline int reason_denies(int reason)
 {
-	return reason == REASON_POLICY_DENY || reason == REASON_ADMIN_DENY || reason == REASON_BASELINE_DENY;
+	return reason == REASON_POLICY_DENY || reason == REASON_ADMIN_DENY || reason == REASON_BASELINE_DENY ||
+	       reason == REASON_UNTRANSLATED;
 }
 
 // take_event_token returns this CPU's budget with a token taken for one
@@ -439,8 +441,9 @@ static __always_inline struct event_budget *take_event_token(__u64 now)
 	return b;
 }
 
-static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason,
-				__u64 now)
+// deny_at drops a packet of flow f, counting it and reporting it as seen on
+// the host veth ifindex.
+static __always_inline int deny_at(__u32 ifindex, const int dir, struct flow *f, int reason, __u64 now)
 {
 	count(dir, reason);
 	struct event_budget *b = take_event_token(now);
@@ -453,7 +456,7 @@ static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flo
 	}
 	__builtin_memset(e, 0, sizeof(*e));
 	e->timestamp_ns = now;
-	e->ifindex = skb->ifindex;
+	e->ifindex = ifindex;
 	e->family = f->family;
 	e->proto = f->proto;
 	e->direction = dir;
@@ -469,6 +472,12 @@ static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flo
 	}
 	bpf_ringbuf_submit(e, 0);
 	return VERDICT_DROP;
+}
+
+static __always_inline int deny(struct __sk_buff *skb, const int dir, struct flow *f, int reason,
+				__u64 now)
+{
+	return deny_at(skb->ifindex, dir, f, reason, now);
 }
 
 union ct_key {
@@ -610,6 +619,18 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 	}
 }
 
+// judge_service hands a tracked Service flow of a stale generation to the
+// identifier's judge, which judges it on its backend at the veth. Without
+// a judge in the slot it cannot be judged: dropped.
+static __always_inline int judge_service(struct __sk_buff *skb, const int dir, const int family,
+					 struct flow *f, __u64 now)
+{
+	skb->cb[CB_NEXT] = 0;
+	skb->cb[CB_MODE] = dir == DIR_EGRESS ? MODE_VETH_FORWARD : MODE_VETH_REPLY;
+	bpf_tail_call(skb, &judges, 2 * slot);
+	return deny(skb, dir, f, REASON_UNTRANSLATED, now);
+}
+
 // enforce_family is specialised by the compiler per direction and family
 // (both are constants), so the conntrack map references are constants too.
 // Policy is evaluated at one place, for new flows and for tracked flows whose
@@ -670,10 +691,20 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 			bpf_map_delete_elem(ct_map(family), &key);
 		return deny(skb, dir, f, REASON_SPOOFED, now);
 	}
+	// A Service flow is judged on its backend, which the kernel's
+	// conntrack entry names: the identifier's judge does it (service.h).
+	if (after_nat && v && (v->flags & CT_SERVICE))
+		return judge_service(skb, dir, family, f, now);
 	asm volatile("" ::: "memory"); // after the generation (see above)
 	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
 	if (!v && !(enforced & (ENFORCE_ANY << dir)))
 		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
+	// A new flow to a Service frontend leaves with the slot in its mark,
+	// to be judged where it leaves, after the translation.
+	if (dir == DIR_EGRESS && !v && after_nat && !f->is_icmp_error && is_service(family, f)) {
+		stamp(skb);
+		return VERDICT_ALLOW;
+	}
 
 	// Ports are judged on the opening packet's destination: the peer's
 	// port for a flow the pod opened, the pod's port otherwise.
@@ -699,6 +730,19 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 {
+	// A packet that a pod's veth stamped, leaving by this pod's veth:
+	// the sender's judge decides its egress first, then comes back here.
+	if (after_nat && dir == DIR_INGRESS) {
+		__u32 s = stamped(skb);
+		if (s) {
+			skb->cb[CB_NEXT] = 1 + 2 * slot + 1;
+			skb->cb[CB_MODE] = MODE_OUTPUT;
+			bpf_tail_call(skb, &judges, 2 * (s - 1));
+			count(DIR_INGRESS, REASON_UNTRANSLATED); // no judge in the slot
+			return VERDICT_DROP;
+		}
+	}
+
 	struct flow f; // parse writes every field the family uses
 
 	switch (parse(skb, &f)) {
@@ -741,4 +785,104 @@ SEC("tc")
 int pod_egress(struct __sk_buff *skb)
 {
 	return enforce(skb, DIR_EGRESS);
+}
+
+// ---- After Service translation (service.h) ----
+
+// judge_translated judges the Service flow f of the packet in direction
+// dir on its backend, as mode says where it runs, and tracks it under the
+// tuple the pod's veth sees. The sender's identifier's program: its maps,
+// its generation and side.
+static __always_inline int judge_translated(struct __sk_buff *skb, const int family, struct flow *f,
+					    struct id_state *st, __u32 mode)
+{
+	__u32 gen = *(volatile __u32 *)&st->generation;
+	__u32 side = gen & 1;
+	__u64 now = now_ns();
+	const int dir = mode == MODE_VETH_REPLY ? DIR_INGRESS : DIR_EGRESS;
+	// At the device it leaves by, the packet came in by the pod's veth.
+	// Both loaded before the choice: the verifier refuses a load through
+	// a context pointer the compiler selected.
+	__u32 in = skb->ingress_ifindex, here = skb->ifindex;
+	asm volatile("" : "+r"(in), "+r"(here));
+	__u32 veth = mode == MODE_OUTPUT ? in : here;
+
+	struct translation t;
+	if (!translated(skb, family, f, mode == MODE_VETH_FORWARD, &t))
+		return deny_at(veth, dir, f, REASON_UNTRANSLATED, now);
+	union ct_key key;
+	ct_key_fill(&key, family, DIR_EGRESS, t.src.v6, t.dst.v6, t.sport, t.dport, f->proto, veth);
+
+	// Reported as judged: from the pod, to the backend.
+	struct flow judged = *f;
+	judged.src = t.src;
+	judged.dst = t.backend;
+	judged.sport = t.sport;
+	judged.dport = t.backend_port;
+
+	asm volatile("" ::: "memory"); // after the generation (enforce_family)
+	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
+	int reason = REASON_NOT_ISOLATED;
+	if (enforced & (ENFORCE_ANY << DIR_EGRESS))
+		reason = judge(DIR_EGRESS, family, side, enforced, t.backend.v6, f->proto, t.backend_port);
+	if (reason_denies(reason)) {
+		bpf_map_delete_elem(ct_map(family), &key);
+		return deny_at(veth, dir, &judged, mode == MODE_OUTPUT ? reason : REASON_REVOKED, now);
+	}
+	if (mode == MODE_OUTPUT) {
+		allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE | (reason == REASON_NODE ? CT_NODE : 0), now,
+			  reason);
+		__u32 next = skb->cb[CB_NEXT];
+		if (!next)
+			return VERDICT_ALLOW; // an uplink
+		skb->cb[CB_NEXT] = 0;
+		bpf_tail_call(skb, &judges, next - 1);
+		// The backend's own ingress judgement is not there to run.
+		count(DIR_INGRESS, REASON_UNTRANSLATED);
+		return VERDICT_DROP;
+	}
+	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
+	if (!v) // evicted meanwhile: the judgement stands
+		return allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE, now, reason);
+	return allow_tracked(dir, v, gen, dir == DIR_EGRESS ? REASON_CT_ESTABLISHED : REASON_CT_REPLY, now);
+}
+
+// pod_after_nat is an identifier's judge of its pods' Service flows,
+// reached only by tail calls: from the ingress program of the veth a
+// stamped packet leaves by, from uplink_after_nat, or from the identifier's
+// own programs for a stale Service flow (cb says which, judge_mode).
+SEC("tc")
+int pod_after_nat(struct __sk_buff *skb)
+{
+	__u32 mode = skb->cb[CB_MODE];
+	skb->cb[CB_MODE] = 0;
+	unstamp(skb);
+	struct flow f;
+	if (parse(skb, &f) != PARSE_OK || f.link_ctl || f.frag) {
+		// Nothing the veth stamps; a fragment's ports are not its own.
+		count(DIR_EGRESS, REASON_UNTRANSLATED);
+		return VERDICT_DROP;
+	}
+	__u32 zero = 0;
+	struct id_state *st = bpf_map_lookup_elem(&state, &zero);
+	if (!st)
+		return VERDICT_DROP; // an array map always has entry 0
+	if (f.family == 4)
+		return judge_translated(skb, 4, &f, st, mode);
+	return judge_translated(skb, 6, &f, st, mode);
+}
+
+// uplink_after_nat runs at the TC egress of the node's uplinks: a packet a
+// pod's veth stamped, translated to a backend elsewhere, is judged by the
+// sender's judge before it leaves the node.
+SEC("tc")
+int uplink_after_nat(struct __sk_buff *skb)
+{
+	__u32 s = stamped(skb);
+	if (!s)
+		return VERDICT_ALLOW;
+	skb->cb[CB_NEXT] = 0;
+	skb->cb[CB_MODE] = MODE_OUTPUT;
+	bpf_tail_call(skb, &judges, 2 * (s - 1));
+	return VERDICT_DROP; // no judge in the slot: it cannot be judged
 }

@@ -139,6 +139,14 @@ type podfencePortSet struct {
 	Ranges [64]podfencePortRange
 }
 
+type podfenceServiceKey struct {
+	_     structs.HostLayout
+	Addr  [16]uint8
+	Port  uint16
+	Proto uint8
+	Pad   uint8
+}
+
 type podfenceTierKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -169,31 +177,37 @@ type podfenceTierValue struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	podfenceMapCounters      = "counters"
-	podfenceMapCtV4          = "ct_v4"
-	podfenceMapCtV6          = "ct_v6"
-	podfenceMapDenyEvents    = "deny_events"
-	podfenceMapEventBudget   = "event_budget"
-	podfenceMapFrags         = "frags"
-	podfenceMapNodeAddrs     = "node_addrs"
-	podfenceMapPolEgV4       = "pol_eg_v4"
-	podfenceMapPolEgV41      = "pol_eg_v4_1"
-	podfenceMapPolEgV6       = "pol_eg_v6"
-	podfenceMapPolEgV61      = "pol_eg_v6_1"
-	podfenceMapPolInV4       = "pol_in_v4"
-	podfenceMapPolInV41      = "pol_in_v4_1"
-	podfenceMapPolInV6       = "pol_in_v6"
-	podfenceMapPolInV61      = "pol_in_v6_1"
-	podfenceMapPortSets      = "port_sets"
-	podfenceMapSources       = "sources"
-	podfenceMapState         = "state"
-	podfenceMapTickClock     = "tick_clock"
-	podfenceMapTiers         = "tiers"
-	podfenceMapTiers1        = "tiers_1"
-	podfenceProgPodEgress    = "pod_egress"
-	podfenceProgPodIngress   = "pod_ingress"
-	podfenceVarCoarseClock   = "coarse_clock"
-	podfenceVarDenyEventType = "deny_event_type"
+	podfenceMapCounters        = "counters"
+	podfenceMapCtV4            = "ct_v4"
+	podfenceMapCtV6            = "ct_v6"
+	podfenceMapDenyEvents      = "deny_events"
+	podfenceMapEventBudget     = "event_budget"
+	podfenceMapFrags           = "frags"
+	podfenceMapJudges          = "judges"
+	podfenceMapNodeAddrs       = "node_addrs"
+	podfenceMapPolEgV4         = "pol_eg_v4"
+	podfenceMapPolEgV41        = "pol_eg_v4_1"
+	podfenceMapPolEgV6         = "pol_eg_v6"
+	podfenceMapPolEgV61        = "pol_eg_v6_1"
+	podfenceMapPolInV4         = "pol_in_v4"
+	podfenceMapPolInV41        = "pol_in_v4_1"
+	podfenceMapPolInV6         = "pol_in_v6"
+	podfenceMapPolInV61        = "pol_in_v6_1"
+	podfenceMapPortSets        = "port_sets"
+	podfenceMapServices        = "services"
+	podfenceMapSources         = "sources"
+	podfenceMapState           = "state"
+	podfenceMapTickClock       = "tick_clock"
+	podfenceMapTiers           = "tiers"
+	podfenceMapTiers1          = "tiers_1"
+	podfenceProgPodAfterNat    = "pod_after_nat"
+	podfenceProgPodEgress      = "pod_egress"
+	podfenceProgPodIngress     = "pod_ingress"
+	podfenceProgUplinkAfterNat = "uplink_after_nat"
+	podfenceVarAfterNat        = "after_nat"
+	podfenceVarCoarseClock     = "coarse_clock"
+	podfenceVarDenyEventType   = "deny_event_type"
+	podfenceVarSlot            = "slot"
 )
 
 // loadPodfence returns the embedded CollectionSpec for podfence.
@@ -238,8 +252,10 @@ type podfenceSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type podfenceProgramSpecs struct {
-	PodEgress  *ebpf.ProgramSpec `ebpf:"pod_egress"`
-	PodIngress *ebpf.ProgramSpec `ebpf:"pod_ingress"`
+	PodAfterNat    *ebpf.ProgramSpec `ebpf:"pod_after_nat"`
+	PodEgress      *ebpf.ProgramSpec `ebpf:"pod_egress"`
+	PodIngress     *ebpf.ProgramSpec `ebpf:"pod_ingress"`
+	UplinkAfterNat *ebpf.ProgramSpec `ebpf:"uplink_after_nat"`
 }
 
 // podfenceMapSpecs contains maps before they are loaded into the kernel.
@@ -252,6 +268,7 @@ type podfenceMapSpecs struct {
 	DenyEvents  *ebpf.MapSpec `ebpf:"deny_events"`
 	EventBudget *ebpf.MapSpec `ebpf:"event_budget"`
 	Frags       *ebpf.MapSpec `ebpf:"frags"`
+	Judges      *ebpf.MapSpec `ebpf:"judges"`
 	NodeAddrs   *ebpf.MapSpec `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.MapSpec `ebpf:"pol_eg_v4"`
 	PolEgV41    *ebpf.MapSpec `ebpf:"pol_eg_v4_1"`
@@ -262,6 +279,7 @@ type podfenceMapSpecs struct {
 	PolInV6     *ebpf.MapSpec `ebpf:"pol_in_v6"`
 	PolInV61    *ebpf.MapSpec `ebpf:"pol_in_v6_1"`
 	PortSets    *ebpf.MapSpec `ebpf:"port_sets"`
+	Services    *ebpf.MapSpec `ebpf:"services"`
 	Sources     *ebpf.MapSpec `ebpf:"sources"`
 	State       *ebpf.MapSpec `ebpf:"state"`
 	TickClock   *ebpf.MapSpec `ebpf:"tick_clock"`
@@ -273,8 +291,10 @@ type podfenceMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type podfenceVariableSpecs struct {
+	AfterNat      *ebpf.VariableSpec `ebpf:"after_nat"`
 	CoarseClock   *ebpf.VariableSpec `ebpf:"coarse_clock"`
 	DenyEventType *ebpf.VariableSpec `ebpf:"deny_event_type"`
+	Slot          *ebpf.VariableSpec `ebpf:"slot"`
 }
 
 // podfenceObjects contains all objects after they have been loaded into the kernel.
@@ -303,6 +323,7 @@ type podfenceMaps struct {
 	DenyEvents  *ebpf.Map `ebpf:"deny_events"`
 	EventBudget *ebpf.Map `ebpf:"event_budget"`
 	Frags       *ebpf.Map `ebpf:"frags"`
+	Judges      *ebpf.Map `ebpf:"judges"`
 	NodeAddrs   *ebpf.Map `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.Map `ebpf:"pol_eg_v4"`
 	PolEgV41    *ebpf.Map `ebpf:"pol_eg_v4_1"`
@@ -313,6 +334,7 @@ type podfenceMaps struct {
 	PolInV6     *ebpf.Map `ebpf:"pol_in_v6"`
 	PolInV61    *ebpf.Map `ebpf:"pol_in_v6_1"`
 	PortSets    *ebpf.Map `ebpf:"port_sets"`
+	Services    *ebpf.Map `ebpf:"services"`
 	Sources     *ebpf.Map `ebpf:"sources"`
 	State       *ebpf.Map `ebpf:"state"`
 	TickClock   *ebpf.Map `ebpf:"tick_clock"`
@@ -328,6 +350,7 @@ func (m *podfenceMaps) Close() error {
 		m.DenyEvents,
 		m.EventBudget,
 		m.Frags,
+		m.Judges,
 		m.NodeAddrs,
 		m.PolEgV4,
 		m.PolEgV41,
@@ -338,6 +361,7 @@ func (m *podfenceMaps) Close() error {
 		m.PolInV6,
 		m.PolInV61,
 		m.PortSets,
+		m.Services,
 		m.Sources,
 		m.State,
 		m.TickClock,
@@ -350,22 +374,28 @@ func (m *podfenceMaps) Close() error {
 //
 // It can be passed to loadPodfenceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type podfenceVariables struct {
+	AfterNat      *ebpf.Variable `ebpf:"after_nat"`
 	CoarseClock   *ebpf.Variable `ebpf:"coarse_clock"`
 	DenyEventType *ebpf.Variable `ebpf:"deny_event_type"`
+	Slot          *ebpf.Variable `ebpf:"slot"`
 }
 
 // podfencePrograms contains all programs after they have been loaded into the kernel.
 //
 // It can be passed to loadPodfenceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type podfencePrograms struct {
-	PodEgress  *ebpf.Program `ebpf:"pod_egress"`
-	PodIngress *ebpf.Program `ebpf:"pod_ingress"`
+	PodAfterNat    *ebpf.Program `ebpf:"pod_after_nat"`
+	PodEgress      *ebpf.Program `ebpf:"pod_egress"`
+	PodIngress     *ebpf.Program `ebpf:"pod_ingress"`
+	UplinkAfterNat *ebpf.Program `ebpf:"uplink_after_nat"`
 }
 
 func (p *podfencePrograms) Close() error {
 	return _PodfenceClose(
+		p.PodAfterNat,
 		p.PodEgress,
 		p.PodIngress,
+		p.UplinkAfterNat,
 	)
 }
 

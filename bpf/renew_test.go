@@ -338,7 +338,11 @@ func TestRenewIdentifier(t *testing.T) {
 	if progID(t, ident.Ingress) == progID(t, old.Ingress) {
 		t.Error("the earlier build's programs were kept")
 	}
-	if mk, ok, err := readMarker(ident.Dir); err != nil || !ok || mk != (marker{version: LayoutVersion, object: objectID(), moving: true}) {
+	want := marker{version: LayoutVersion, object: objectID(), moving: true}
+	if ident.Slot >= 0 {
+		want.slot, want.hasSlot = uint32(ident.Slot), true
+	}
+	if mk, ok, err := readMarker(ident.Dir); err != nil || !ok || mk != want {
 		t.Errorf("marker %+v, %v, %v; want this build's, moving", mk, ok, err)
 	}
 	if !rn.MovePending {
@@ -632,10 +636,14 @@ func TestUnmovedMemberKeepsRevocations(t *testing.T) {
 	cs := earlierSpec(t, beforeSides)
 	repl := map[string]*ebpf.Map{}
 	for name, m := range g.replacements() {
-		repl[name] = m
+		if _, ok := cs.Maps[name]; ok {
+			repl[name] = m
+		}
 	}
 	for name, m := range ident.mapFields() {
-		if _, ok := cs.Maps[name]; ok {
+		// Counters it keeps its own: the take-over copied them into a
+		// map of this layout's size.
+		if ms, ok := cs.Maps[name]; ok && ms.MaxEntries == (*m).MaxEntries() {
 			repl[name] = *m
 		}
 	}

@@ -35,7 +35,11 @@ enum reason {
 	REASON_ADMIN_DENY = 13,    // new flow an Admin tier rule denies
 	REASON_BASELINE_ACCEPT = 14, // new flow a Baseline tier rule accepts
 	REASON_BASELINE_DENY = 15,   // new flow a Baseline tier rule denies
-	REASON_MAX = 16,
+	// A new or tracked flow to a Service whose translation the kernel's
+	// conntrack did not give (no entry, no judge in the slot, a protocol
+	// the lookup does not cover): dropped, since it cannot be judged.
+	REASON_UNTRANSLATED = 16,
+	REASON_MAX = 17,
 };
 
 // Bits of id_state.enforced: what judges a new flow in direction d, each
@@ -213,6 +217,11 @@ struct ct_key_v6 {
 enum ct_flags {
 	CT_EGRESS = 1, // the pod opened the flow (else the peer did)
 	CT_NODE = 2,   // allowed because the peer is the node itself
+	// Opened to a Service frontend and judged on its backend after the
+	// translation (pod_after_nat): dst is the frontend, as the veth sees
+	// the flow, and a stale entry is judged again on the backend that
+	// the kernel's conntrack entry names.
+	CT_SERVICE = 4,
 };
 
 struct ct_value {
@@ -220,6 +229,17 @@ struct ct_value {
 	__u32 generation;   // id_state.generation the flow was last checked against
 	__u8 flags;         // enum ct_flags
 	__u8 pad[3];
+};
+
+// A Service frontend that kube-proxy translates on this node (a ClusterIP,
+// an external or load-balancer IP, a node address with a NodePort): an
+// egress flow to it is judged on its backend, after the translation. The
+// address is IPv6 or IPv4-mapped (as in node_addrs), the port in host order.
+struct service_key {
+	__u8 addr[16];
+	__u16 port;
+	__u8 proto;
+	__u8 pad;
 };
 
 // Key of the datagrams whose first fragment was seen: what identifies a

@@ -35,6 +35,7 @@ const (
 	ReasonAdminDeny                    // new flow an Admin tier rule denies: dropped
 	ReasonBaselineAccept               // new flow a Baseline tier rule accepts
 	ReasonBaselineDeny                 // new flow a Baseline tier rule denies: dropped
+	ReasonUntranslated                 // flow to a Service whose translation could not be read: dropped
 	NumReasons
 )
 
@@ -42,7 +43,7 @@ var reasonNames = [NumReasons]string{
 	"ct-established", "ct-reply", "policy-allow", "not-isolated", "node",
 	"not-ip", "policy-deny", "revoked", "malformed", "ct-related",
 	"neighbor-discovery", "spoofed", "admin-accept", "admin-deny",
-	"baseline-accept", "baseline-deny",
+	"baseline-accept", "baseline-deny", "untranslated",
 }
 
 func (r Reason) String() string {
@@ -67,7 +68,7 @@ func (r Reason) Tier() string {
 // Verdict is the verdict the programs give for r.
 func (r Reason) Verdict() uint32 {
 	switch r {
-	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed, ReasonSpoofed, ReasonAdminDeny, ReasonBaselineDeny:
+	case ReasonPolicyDeny, ReasonRevoked, ReasonMalformed, ReasonSpoofed, ReasonAdminDeny, ReasonBaselineDeny, ReasonUntranslated:
 		return VerdictDrop
 	}
 	return VerdictAllow

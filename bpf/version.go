@@ -28,7 +28,7 @@ import (
 // its entries cannot be copied from pins of an earlier layout; unless the
 // take-over converts it in place, as layout 4 does with the state's
 // padding byte (syncSides), which keeps since 1 so that the pin is reused.
-const LayoutVersion = 4
+const LayoutVersion = 5
 
 // sidesLayout is the layout that gave the policy two sides (struct id_state).
 const sidesLayout = 4
@@ -50,14 +50,21 @@ type marker struct {
 	// moving: the programs were replaced, and members may still run the
 	// ones before (until pinroot.Hold.MoveMembers and MembersMoved).
 	moving bool
+	// slot, when hasSlot, is the identifier's slot (slots.go), which its
+	// pinned programs were loaded with.
+	slot    uint32
+	hasSlot bool
 }
 
 // String is the marker's symlink target: "v1", "v1 object=9f86d081884c7d65",
-// "v1 object=9f86d081884c7d65 moving".
+// "v5 object=9f86d081884c7d65 slot=3 moving".
 func (m marker) String() string {
 	s := "v" + strconv.FormatUint(uint64(m.version), 10)
 	if m.object != "" {
 		s += " object=" + m.object
+	}
+	if m.hasSlot {
+		s += " slot=" + strconv.FormatUint(uint64(m.slot), 10)
 	}
 	if m.moving {
 		s += " moving"
@@ -81,6 +88,13 @@ func parseMarker(s string) (marker, error) {
 		}
 		if f == "moving" {
 			m.moving = true
+		}
+		if v, ok := strings.CutPrefix(f, "slot="); ok {
+			n, err := strconv.ParseUint(v, 10, 32)
+			if err != nil || n >= MaxSlots {
+				return marker{}, fmt.Errorf("layout marker %q: bad slot", s)
+			}
+			m.slot, m.hasSlot = uint32(n), true
 		}
 	}
 	return m, nil

@@ -207,14 +207,18 @@ func installContainer(t *testing.T, ds *appsv1.DaemonSet) *corev1.Container {
 	return &inits[0]
 }
 
-// TestSweeperRBAC: the ServiceAccount may read PolicyEndpoints and
-// ClusterPolicyEndpoints and nothing else; test/e2e runs the sweeper with a token of that account.
+// TestSweeperRBAC: the ServiceAccount may read PolicyEndpoints,
+// ClusterPolicyEndpoints and Services and nothing else; test/e2e runs the sweeper with a token of that account.
 func TestSweeperRBAC(t *testing.T) {
 	objs := loadSweeperManifest(t)
 	role, binding := objs.clusterRole, objs.binding
 	want := []rbacv1.PolicyRule{{
 		APIGroups: []string{"networking.k8s.aws"},
 		Resources: []string{"policyendpoints", "clusterpolicyendpoints"},
+		Verbs:     []string{"get", "list", "watch"},
+	}, {
+		APIGroups: []string{""},
+		Resources: []string{"services"},
 		Verbs:     []string{"get", "list", "watch"},
 	}}
 	if fmt.Sprint(role.Rules) != fmt.Sprint(want) {

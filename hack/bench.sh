@@ -85,6 +85,14 @@ echo "$out" | awk '/^BenchmarkEgressAfterNAT/ {
 	printf "  %-32s %6s ns  x today %s\n", name, v["ns/op"], v["x-veth"]
 }'
 echo
+echo "a pod's flows with Services judged on their backends, beside the layout-4 build that judged the ClusterIP (BenchmarkServiceFlow, median single runs; both hooks for a Service)"
+out=$(cd bpf && taskset -c "$cpu" /tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkServiceFlow' -test.benchtime 20000x)
+echo "$out" | awk '/^BenchmarkServiceFlow/ {
+	name=$1; sub(/^BenchmarkServiceFlow\//, "", name); sub(/-[0-9]+$/, "", name)
+	for (i = 3; i < NF; i += 2) v[$(i+1)]=$i
+	printf "  %-14s %6s ns  today %6s ns  x today %s\n", name, v["ns/op"], v["ns-today"], v["x-today"]
+}'
+echo
 echo "one change of a cluster-wide Admin policy, 100 identifiers (BenchmarkClusterChange)"
 out=$(/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/reprogram' -test.benchtime 5x;
 	/tmp/podfence-bpf.test -test.run '^$' -test.bench 'BenchmarkClusterChange/recheck' -test.benchtime 2000x)

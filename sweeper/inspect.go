@@ -30,12 +30,17 @@ type identifierView struct {
 	Isolated []string `json:"isolated"`
 	// Tiers are the cluster policy tiers that judge the identifier's new
 	// flows, by direction: "admin/ingress", "baseline/egress".
-	Tiers      []string     `json:"tiers"`
-	Allowed    uint64       `json:"allowed_packets"`
-	Denied     uint64       `json:"denied_packets"`
-	Members    []memberView `json:"members"`
-	Unreadable []string     `json:"unreadable_members,omitempty"`
-	Error      string       `json:"error,omitempty"`
+	Tiers []string `json:"tiers"`
+	// ServicesJudged says where the identifier's flows to Services are
+	// judged: "backend" (after the translation, README "Judging egress
+	// after Service translation") or "frontend" (at the veth, on the
+	// Service's address: a kernel without the conntrack kfuncs).
+	ServicesJudged string       `json:"services_judged,omitempty"`
+	Allowed        uint64       `json:"allowed_packets"`
+	Denied         uint64       `json:"denied_packets"`
+	Members        []memberView `json:"members"`
+	Unreadable     []string     `json:"unreadable_members,omitempty"`
+	Error          string       `json:"error,omitempty"`
 	// PolicyError is why the policy directory was refused, node-wide:
 	// Generation is then the last good policy's.
 	PolicyError      string     `json:"policy_error,omitempty"`

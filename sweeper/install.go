@@ -10,8 +10,10 @@ import (
 
 	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/pkg/uplink"
 )
 
 // cniFlags locate the node's CNI configuration and binaries.
@@ -150,6 +152,10 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stderr, "podfence-sweeper uninstall: %v; taking the hooks off anyway\n", chainErr)
 	}
 	pins := pinroot.At(c.pinRoot)
+	// The uplinks' judge first: a legacy filter outlives the pins.
+	if err := (uplink.Hooks{Dir: pinpath.Root(c.pinRoot).Uplinks()}).Release(); err != nil {
+		return fmt.Errorf("uninstall: take the judge off the uplinks: %w (run it again to finish)", err)
+	}
 	r, err := pins.RemoveAll()
 	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)
 	if err != nil {

@@ -26,7 +26,9 @@ import (
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/policymirror"
 	"github.com/podfence/podfence/pkg/policywatch"
+	"github.com/podfence/podfence/pkg/servicewatch"
 	"github.com/podfence/podfence/pkg/sweep"
+	"github.com/podfence/podfence/pkg/uplink"
 )
 
 // fillWarn is the occupancy past which an LRU map starts evicting live flows.
@@ -53,6 +55,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	adoptPods := fs.Bool("adopt", false, "fence the running pods podfence's ADD never saw (installed after them, or out of the chain when they were created): asks the container runtime (--cri-socket) and runs the plugin's ADD for each; in strict mode this closes every adopted pod no policy opens")
 	criSocket := fs.String("cri-socket", adopt.DefaultCRISocket, "with --adopt: the container runtime's CRI endpoint")
 	adoptInterval := fs.Duration("adopt-interval", 30*time.Second, "with --adopt: how often to look for pods to adopt besides the start and each repair of the chain")
+	judgeUplinks := fs.Bool("judge-uplinks", true, "hook the judge of pods' Service flows on the TC egress of the node's interfaces other than loopback and veths, as they appear: a flow translated to a backend off the node is judged there on the backend (false: such flows leave unjudged; only for a node where another component does it)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -134,8 +137,20 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 			r.chain.repaired = r.adopt.wake
 		}
 	}
+	if *judgeUplinks {
+		if r.uplinks, err = newUplinks(root, c.pinRoot, log); err != nil {
+			return err
+		}
+	}
 	if *source == sourceKubernetes {
-		if r.mirror, err = newMirror(*kubeconfig, *policyDir, r.m, log); err != nil {
+		cfg, err := apiConfig(*kubeconfig)
+		if err != nil {
+			return err
+		}
+		if r.mirror, err = newMirror(cfg, *policyDir, r.m, log); err != nil {
+			return err
+		}
+		if r.services, err = newServiceWatch(cfg, root, log); err != nil {
 			return err
 		}
 	} else if synced, err := policy.Synced(*policyDir); err == nil && !synced {
@@ -163,9 +178,13 @@ type runner struct {
 	m         *metrics
 	log       *slog.Logger
 	policyDir string
-	mirror    *policymirror.Mirror // nil with --policy-source=files
-	chain     *chainKeeper         // nil without --keep-chained
-	adopt     *adopter             // nil without --adopt
+	mirror    *policymirror.Mirror  // nil with --policy-source=files
+	chain     *chainKeeper          // nil without --keep-chained
+	adopt     *adopter              // nil without --adopt
+	services  *servicewatch.Watcher // nil with --policy-source=files
+	uplinks   *uplink.Hooks         // nil with --judge-uplinks=false, or no kfuncs
+	// uplinksHooked is how many interfaces the last syncUplinks hooked.
+	uplinksHooked int
 	// problems and keepErr are what the last policy load reported, logged
 	// again only when they change.
 	problems []string
@@ -302,7 +321,26 @@ func (r *runner) loop(ctx context.Context) error {
 			}
 		}()
 	}
-	sc := schedule{interval: r.interval, wake: r.wake, addrs: addrs, policy: follow.C, mirrored: mirrored}
+	if r.services != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := r.services.Run(ctx); err != nil && ctx.Err() == nil {
+				r.log.Error("following Services stopped", "error", err)
+			}
+		}()
+	}
+	var links chan struct{}
+	if r.uplinks != nil {
+		links = make(chan struct{}, 1)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			followLinks(ctx, links, r.log)
+		}()
+		r.syncUplinks()
+	}
+	sc := schedule{interval: r.interval, wake: r.wake, addrs: addrs, policy: follow.C, mirrored: mirrored, links: links}
 	sc.run(ctx, r)
 	r.log.Info("stopping", "reason", context.Cause(ctx))
 	return nil
@@ -311,6 +349,8 @@ func (r *runner) loop(ctx context.Context) error {
 // pass runs a full pass, and returns when the next is due after one
 // waited for since the last.
 func (r *runner) pass(waited time.Duration) time.Duration {
+	r.syncUplinks()
+	r.sweepSlots()
 	rep, err := r.s.Pass()
 	r.m.pass(rep, err)
 	r.healthy.Store(err == nil)
@@ -487,6 +527,9 @@ func (r *runner) syncNodeAddrs() {
 	r.m.nodeAddrSyncs.Inc()
 	if r.mirror != nil {
 		r.mirror.Kick() // PolicyEndpoints select pods by the node's address
+	}
+	if r.services != nil {
+		r.services.Kick() // NodePorts are on the node's addresses
 	}
 	a, err := r.pins.ReapplyPolicies(r.policyDir, policy.Digest{})
 	r.log.Info("node addresses changed", "addresses", fmt.Sprint(after), "identifiers_reprogrammed", a.Identifiers)

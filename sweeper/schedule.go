@@ -19,6 +19,7 @@ type schedule struct {
 	addrs    <-chan struct{}          // the node's addresses changed
 	policy   <-chan policywatch.Event // the policy directory changed
 	mirrored <-chan struct{}          // the mirror wrote (nil without one)
+	links    <-chan struct{}          // the kernel added a link (nil when uplinks are not hooked)
 }
 
 // work is what a schedule has done (the runner's).
@@ -27,6 +28,7 @@ type work interface {
 	policyChanged(policywatch.Event)
 	mirrorWrote()
 	syncNodeAddrs()
+	syncUplinks()
 	// pass runs a full pass after waited, and returns when the next is due.
 	pass(waited time.Duration) time.Duration
 }
@@ -51,6 +53,9 @@ func (s schedule) run(ctx context.Context, w work) {
 			continue
 		case <-s.mirrored:
 			w.mirrorWrote()
+			continue
+		case <-s.links:
+			w.syncUplinks()
 			continue
 		case <-s.wake:
 		case <-timer.C:

@@ -31,6 +31,7 @@ func (r *recorder) applyPolicies(p push)              { r.record("push " + p.Str
 func (r *recorder) policyChanged(e policywatch.Event) { r.record("changed " + e.Change.String()) }
 func (r *recorder) mirrorWrote()                      { r.record("mirror") }
 func (r *recorder) syncNodeAddrs()                    { r.record("addrs") }
+func (r *recorder) syncUplinks()                      { r.record("uplinks") }
 func (r *recorder) pass(waited time.Duration) time.Duration {
 	r.mu.Lock()
 	r.waited = append(r.waited, waited)

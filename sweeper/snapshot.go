@@ -116,6 +116,10 @@ func (s identState) view() identifierView {
 			}
 		}
 		v.Allowed, v.Denied = s.Info.Counters.Allowed(), s.Info.Counters.Denied()
+		v.ServicesJudged = "frontend"
+		if s.Info.Slot >= 0 {
+			v.ServicesJudged = "backend"
+		}
 	}
 	for _, m := range s.Members {
 		mv := memberView{ContainerID: m.ContainerID, IfName: m.IfName, HostVeth: m.HostVeth,

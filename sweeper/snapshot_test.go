@@ -47,9 +47,9 @@ func TestIdentStateView(t *testing.T) {
 		want identifierView
 	}{
 		{"read", identState{ID: "web@default", Info: bpf.IdentifierInfo{Generation: 3, Mode: policy.ModeStrict,
-			Isolated: [2]bool{false, true}, Admin: [2]bool{true, true}, Baseline: [2]bool{true, false}, Layout: "v2 object=ab"},
+			Isolated: [2]bool{false, true}, Admin: [2]bool{true, true}, Baseline: [2]bool{true, false}, Layout: "v5 object=ab slot=2", Slot: 2},
 			Members: []memberState{member}},
-			identifierView{ID: "web@default", Generation: 3, Mode: "strict", Layout: "v2 object=ab", Isolated: []string{"egress"},
+			identifierView{ID: "web@default", Generation: 3, Mode: "strict", Layout: "v5 object=ab slot=2", ServicesJudged: "backend", Isolated: []string{"egress"},
 				Tiers: []string{"admin/ingress", "baseline/ingress", "admin/egress"},
 				Members: []memberView{{ContainerID: "c1", IfName: "eth0", HostVeth: "veth1", HostIfindex: 7,
 					IPs: []string{"10.1.0.5/24", "fd00::5/64"}, AttachMode: "tcx", VethPresent: true, Attached: true}}}},

@@ -18,10 +18,9 @@ const (
 	sourceKubernetes = "kubernetes"
 )
 
-// newMirror builds the Kubernetes policy source: PolicyEndpoints of this
-// node, mirrored into policyDir. kubeconfig empty means the in-cluster
-// configuration (the pod's ServiceAccount token).
-func newMirror(kubeconfig, policyDir string, m *metrics, log *slog.Logger) (*policymirror.Mirror, error) {
+// apiConfig is the API client configuration of --kubeconfig: empty means
+// the in-cluster configuration (the pod's ServiceAccount token).
+func apiConfig(kubeconfig string) (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error
 	if kubeconfig == "" {
@@ -33,6 +32,12 @@ func newMirror(kubeconfig, policyDir string, m *metrics, log *slog.Logger) (*pol
 		return nil, fmt.Errorf("--policy-source=kubernetes: API client configuration: %w", err)
 	}
 	cfg.UserAgent = "podfence-sweeper"
+	return cfg, nil
+}
+
+// newMirror builds the Kubernetes policy source: PolicyEndpoints of this
+// node, mirrored into policyDir.
+func newMirror(cfg *rest.Config, policyDir string, m *metrics, log *slog.Logger) (*policymirror.Mirror, error) {
 	log = log.With("source", sourceKubernetes)
 	policymirror.WatchReachability(cfg, log)
 	client, err := dynamic.NewForConfig(cfg)

@@ -5,7 +5,10 @@
 //
 //	<root>/global/<map>                           maps shared by every identifier on the node
 //	<root>/global/layout, <root>/ids/<id>/layout  the layout version (and build) of the maps there
+//	<root>/global/slots/<n>                       slot n's owner (a symlink to its identifier's directory)
+//	<root>/global/uplinks/if<ifindex>             the uplinks' judge of Service flows (TCX link pins)
 //	<root>/ids/<identifier>/prog_ingress|egress   the identifier's programs
+//	<root>/ids/<identifier>/prog_after_nat        its judge of Service flows, where the kernel has one
 //	<root>/ids/<identifier>/<map>                 its state, counters, policy tries, port sets, members' sources
 //	<root>/ids/<identifier>/members/<key>/record  a member's record (a symlink, see package membership)
 //	<root>/ids/<identifier>/members/<key>/link_*  the member's pinned TCX links
@@ -58,6 +61,17 @@ const (
 
 	ProgIngress = "prog_ingress"
 	ProgEgress  = "prog_egress"
+	// ProgAfterNAT is an identifier's judge of its pods' Service flows
+	// after the translation, installed in MapJudges at its slot.
+	ProgAfterNAT = "prog_after_nat"
+	// SlotsDir, in GlobalDir, holds one symlink per identifier slot (the
+	// index of its programs in MapJudges and the mark its veths stamp),
+	// naming the identifier's directory: creating it reserves the slot.
+	SlotsDir = "slots"
+	// UplinksDir, in GlobalDir, holds the TCX link pins of the judge of
+	// translated Service flows on the node's uplinks (package uplink),
+	// one per interface, "if<ifindex>".
+	UplinksDir = "uplinks"
 
 	// Record is a member's record; RecordTemp the name it is written under
 	// before the rename that makes it visible.
@@ -79,6 +93,8 @@ const (
 	MapEventBudget = "event_budget"
 	MapFrags       = "frags"
 	MapTickClock   = "tick_clock"
+	MapServices    = "services"
+	MapJudges      = "judges"
 
 	MapState    = "state"
 	MapCounters = "counters"
@@ -101,7 +117,7 @@ const (
 
 // GlobalMaps are the map pins in GlobalDir.
 func GlobalMaps() []string {
-	return []string{MapCTv4, MapCTv6, MapNodeAddrs, MapDenyEvents, MapEventBudget, MapFrags, MapTickClock}
+	return []string{MapCTv4, MapCTv6, MapNodeAddrs, MapDenyEvents, MapEventBudget, MapFrags, MapTickClock, MapServices, MapJudges}
 }
 
 // IdentifierMaps are the map pins of an identifier's directory, beside its
@@ -116,6 +132,12 @@ type Root string
 
 // Global is the directory of the node-wide maps.
 func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
+
+// Uplinks is the directory of the uplink hooks' link pins.
+func (r Root) Uplinks() string { return filepath.Join(string(r), GlobalDir, UplinksDir) }
+
+// Slots is the directory of the identifiers' slot reservations.
+func (r Root) Slots() string { return filepath.Join(string(r), GlobalDir, SlotsDir) }
 
 // Status is the directory of STATUS's verified markers.
 func (r Root) Status() string { return filepath.Join(string(r), StatusDir) }

@@ -135,6 +135,9 @@ func (h *Hold) ReplaceUnused(incompatible error) (ident *bpf.Datapath, replaced 
 	if err != nil {
 		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
 	}
+	if err := bpf.ReleaseSlot(pinpath.Root(h.root.path).Global(), h.Dir()); err != nil {
+		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
+	}
 	if err := bpf.RemoveObjects(h.Dir()); err != nil {
 		return nil, false, wrap(ErrDatapath, errors.Join(incompatible, err))
 	}
@@ -217,6 +220,9 @@ func (h *Hold) RemoveIfUnused() (bool, error) {
 	}
 	if sc.InUse() {
 		return false, nil
+	}
+	if err := bpf.ReleaseSlot(pinpath.Root(h.root.path).Global(), h.Dir()); err != nil {
+		return false, wrap(ErrDatapath, err)
 	}
 	if err := bpf.RemoveIdentifier(h.Dir()); err != nil {
 		return false, wrap(ErrDatapath, err)

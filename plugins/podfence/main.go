@@ -428,9 +428,9 @@ func cmdStatus(args *skel.CmdArgs) (err error) {
 	if err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}
-	call.action = "ready (datapath verified on this kernel)"
+	call.action = "ready (datapath verified on this kernel; " + bpf.ServiceJudgement() + ")"
 	if cached {
-		call.action = "ready (datapath verified earlier on this kernel)"
+		call.action = "ready (datapath verified earlier on this kernel; " + bpf.ServiceJudgement() + ")"
 	}
 	return nil
 }

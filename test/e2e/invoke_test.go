@@ -412,7 +412,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 	})
 	if entries, err := os.ReadDir(pinpath.Root(c.pinRoot).Global()); err == nil {
 		for _, en := range entries {
-			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) && en.Name() != pinpath.Layout {
+			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) && !slices.Contains([]string{pinpath.Layout, pinpath.SlotsDir, pinpath.UplinksDir}, en.Name()) {
 				errorf("unexpected global pin %s", en.Name())
 			}
 		}
@@ -429,6 +429,21 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 		onDisk[id] = true
 		if len(e.live[id]) == 0 && len(e.unsure[id]) == 0 {
 			errorf("identifier %s has no member, but its directory is still there: %s", id, listDir(pinpath.Root(c.pinRoot).Identifier(podid.ID(en.Name()))))
+		}
+	}
+	// A slot is reserved for an identifier that has pins, never leaked.
+	slots, err := os.ReadDir(pinpath.Root(c.pinRoot).Slots())
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		errorf("list slots: %v", err)
+	}
+	for _, en := range slots {
+		owner, err := os.Readlink(filepath.Join(pinpath.Root(c.pinRoot).Slots(), en.Name()))
+		if err != nil {
+			errorf("slot %s: %v", en.Name(), err)
+			continue
+		}
+		if id := podid.ID(filepath.Base(owner)); !onDisk[id] {
+			errorf("slot %s is reserved for %s, which has no pins", en.Name(), id)
 		}
 	}
 	vethUsed := map[int]bool{}
@@ -485,6 +500,9 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 		errorf("identifier %s has %d members but its programs: %v (%s)", id, len(ms), err, listDir(dir))
 	}
 	allowed := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MembersDir, pinpath.Layout}, identifierMaps...)
+	if bpf.AfterNATSupported() { // the judge of its Service flows
+		allowed = append(allowed, pinpath.ProgAfterNAT)
+	}
 	entries, _ := os.ReadDir(dir)
 	for _, en := range entries {
 		if !slices.Contains(allowed, en.Name()) {

@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+//
+// Judging a pod's egress after Service translation (README, "Judging egress
+// after Service translation"). The pod's veth sees a Service's frontend (a
+// ClusterIP, say), which kube-proxy translates to a backend only after the
+// veth's TC ingress. So a new flow from an egress-isolated pod to a
+// frontend in the services map is not judged at the veth: its program
+// stamps the identifier's slot in the packet's mark and lets it pass.
+// Where the packet leaves (the backend pod's veth, whose ingress program
+// checks the mark first, or an uplink's uplink_after_nat), the slot's
+// judge, pod_after_nat, reached by a tail call so that it reads its own
+// identifier's maps, finds in the kernel's conntrack entry the tuple the
+// pod sent and the backend it was translated to, judges the flow on the
+// backend and tracks it under the tuple the veth sees.
+//
+// Kernel facilities: skb marks, which survive the routing between the two
+// hooks (a pod cannot set them: the veth scrubs a packet crossing into the
+// node's namespace); TC egress on the output device; tail calls; and the
+// conntrack kfuncs bpf_skb_ct_lookup and bpf_ct_release (5.18 and later;
+// nf_conntrack's BTF). Where the kernel lacks the kfuncs the loader leaves
+// after_nat 0 and a Service is judged at the veth on its frontend, as
+// before (5.10).
+#pragma once
+
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+
+#include "types.h"
+#include "parse.h"
+
+// ---- Global maps, pinned once per node ----
+
+// The frontends kube-proxy translates on this node; the sweeper writes them
+// (ClusterIPs, external and load-balancer IPs, NodePorts on each node
+// address). The value is unused: presence is the answer.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, struct service_key);
+	__type(value, __u8);
+} services SEC(".maps");
+
+// The mark carries slot + 1 in SLOT_MASK's 11 bits (0: nothing to judge):
+// kube-proxy owns 0x4000 and 0x8000, the VPC CNI 0x80, all below.
+#define SLOT_SHIFT 16
+#define SLOT_MASK (0x7ffu << SLOT_SHIFT)
+#define MAX_SLOTS 2047
+
+// The programs of the node's identifiers by slot s: its pod_after_nat at
+// 2s, its pod_ingress at 2s + 1 (where pod_after_nat goes on to, at the
+// backend's veth, once the egress judgement allows).
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, 2 * (MAX_SLOTS + 1));
+	__type(key, __u32);
+	__type(value, __u32);
+} judges SEC(".maps");
+
+// Set by the loader: the identifier's slot, and whether its judge is
+// installed (the kernel has the conntrack kfuncs).
+volatile const __u32 slot = 0;
+volatile const __u8 after_nat = 0;
+
+// What a tail call into pod_after_nat passes in skb->cb, which survives it.
+#define CB_NEXT 0 // 1 + the judges index to go on to once allowed; 0: none
+#define CB_MODE 1 // enum judge_mode
+
+enum judge_mode {
+	// At the device the packet leaves by, after the translation: a new
+	// flow the veth stamped.
+	MODE_OUTPUT = 0,
+	// At the pod's veth, a tracked Service flow of a stale generation,
+	// in the direction the pod opened it, or a reply.
+	MODE_VETH_FORWARD = 1,
+	MODE_VETH_REPLY = 2,
+};
+
+static __always_inline void stamp(struct __sk_buff *skb)
+{
+	volatile __u32 *mark = &skb->mark;
+	*mark = (*mark & ~SLOT_MASK) | ((slot + 1) << SLOT_SHIFT);
+}
+
+// stamped is the slot + 1 a veth stamped, 0 for anything else.
+static __always_inline __u32 stamped(struct __sk_buff *skb)
+{
+	volatile __u32 *mark = &skb->mark;
+	return (*mark & SLOT_MASK) >> SLOT_SHIFT;
+}
+
+static __always_inline void unstamp(struct __sk_buff *skb)
+{
+	volatile __u32 *mark = &skb->mark;
+	*mark &= ~SLOT_MASK;
+}
+
+// is_service reports whether dst:dport/proto is a frontend of the services map.
+static __always_inline int is_service(const int family, const struct flow *f)
+{
+	struct service_key k = {.port = f->dport, .proto = f->proto};
+	if (family == 4) {
+		k.addr[10] = 0xff;
+		k.addr[11] = 0xff;
+		__builtin_memcpy(&k.addr[12], &f->dst.v4, 4);
+	} else {
+		__builtin_memcpy(k.addr, f->dst.v6, 16);
+	}
+	return bpf_map_lookup_elem(&services, &k) != 0;
+}
+
+// ---- The kernel's conntrack entry ----
+
+// Only the fields read, relocated against the kernel's types (CO-RE, which
+// matches members by name: one local type serves for the tuple's src, an
+// nf_conntrack_man, and its anonymous dst).
+struct nf_conntrack_man___pf {
+	union {
+		__be32 ip;
+		__be32 ip6[4];
+	} u3;
+	union {
+		__be16 all;
+	} u;
+} __attribute__((preserve_access_index));
+struct nf_conntrack_tuple___pf {
+	struct nf_conntrack_man___pf src;
+	struct nf_conntrack_man___pf dst;
+} __attribute__((preserve_access_index));
+struct nf_conntrack_tuple_hash___pf {
+	struct nf_conntrack_tuple___pf tuple;
+} __attribute__((preserve_access_index));
+struct nf_conn {
+	struct nf_conntrack_tuple_hash___pf tuplehash[2]; // IP_CT_DIR_ORIGINAL, IP_CT_DIR_REPLY
+} __attribute__((preserve_access_index));
+
+struct bpf_ct_opts___pf {
+	__s32 netns_id;
+	__s32 error;
+	__u8 l4proto;
+	__u8 dir;
+	__u8 reserved[2];
+}; // the 12 bytes 5.18 to 6.18 accept (NF_BPF_CT_OPTS_SZ)
+#define CT_OPTS_CURRENT_NETNS (-1)
+
+extern struct nf_conn *bpf_skb_ct_lookup(struct __sk_buff *, struct bpf_sock_tuple *, __u32,
+					 struct bpf_ct_opts___pf *, __u32) __ksym __weak;
+extern void bpf_ct_release(struct nf_conn *) __ksym __weak;
+
+// A Service flow as the kernel's conntrack entry has it: what the pod sent
+// (src, dst: the frontend, ports) and the backend it was translated to.
+// Addresses in network order (IPv4 in the first 4 bytes), ports in host order.
+struct translation {
+	union ip_addr src, dst, backend;
+	__u16 sport, dport, backend_port;
+};
+
+static __always_inline void read_addr(union ip_addr *to, const struct nf_conntrack_man___pf *m, const int family)
+{
+	if (family == 4) {
+		to->v4 = m->u3.ip;
+		return;
+	}
+	__be32 *w = (__be32 *)to->v6;
+	w[0] = m->u3.ip6[0];
+	w[1] = m->u3.ip6[1];
+	w[2] = m->u3.ip6[2];
+	w[3] = m->u3.ip6[3];
+}
+
+// translated fills t from the conntrack entry of the packet f: looked up
+// by the packet's own tuple when it travels as the pod sent it, before the
+// translation (forward), else by the reversed one (after the translation,
+// the reversed tuple is the entry's reply tuple; a reply at the veth, back
+// through the reverse translation, is the original reversed). 0 when the
+// kernel has no kfunc or no entry, or for a protocol the lookup does not
+// take (only TCP and UDP).
+static __always_inline int translated(struct __sk_buff *skb, const int family, const struct flow *f,
+				      int forward, struct translation *t)
+{
+	if (!bpf_skb_ct_lookup) // weak: 0 where the kernel has no such kfunc
+		return 0;
+	if (f->proto != IPPROTO_TCP && f->proto != IPPROTO_UDP)
+		return 0;
+	const union ip_addr *a = forward ? &f->src : &f->dst;
+	const union ip_addr *b = forward ? &f->dst : &f->src;
+	__u16 pa = forward ? f->sport : f->dport;
+	__u16 pb = forward ? f->dport : f->sport;
+	struct bpf_sock_tuple tu = {};
+	__u32 len;
+	if (family == 4) {
+		tu.ipv4.saddr = a->v4;
+		tu.ipv4.daddr = b->v4;
+		tu.ipv4.sport = bpf_htons(pa);
+		tu.ipv4.dport = bpf_htons(pb);
+		len = sizeof(tu.ipv4);
+	} else {
+		__builtin_memcpy(tu.ipv6.saddr, a->v6, 16);
+		__builtin_memcpy(tu.ipv6.daddr, b->v6, 16);
+		tu.ipv6.sport = bpf_htons(pa);
+		tu.ipv6.dport = bpf_htons(pb);
+		len = sizeof(tu.ipv6);
+	}
+	struct bpf_ct_opts___pf o = {.netns_id = CT_OPTS_CURRENT_NETNS, .l4proto = f->proto};
+	struct nf_conn *ct = bpf_skb_ct_lookup(skb, &tu, len, &o, sizeof(o));
+	if (!ct)
+		return 0;
+	read_addr(&t->src, &ct->tuplehash[0].tuple.src, family);
+	read_addr(&t->dst, &ct->tuplehash[0].tuple.dst, family);
+	read_addr(&t->backend, &ct->tuplehash[1].tuple.src, family);
+	t->sport = bpf_ntohs(ct->tuplehash[0].tuple.src.u.all);
+	t->dport = bpf_ntohs(ct->tuplehash[0].tuple.dst.u.all);
+	t->backend_port = bpf_ntohs(ct->tuplehash[1].tuple.src.u.all);
+	bpf_ct_release(ct);
+	return 1;
+}

@@ -1,0 +1,341 @@
+package bpf
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+
+	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/pkg/policy"
+	"github.com/podfence/podfence/test/kernel"
+	"github.com/podfence/podfence/test/netnsutil"
+)
+
+// serviceNode is a node namespace that translates Services as kube-proxy
+// does (nftables DNAT in prerouting), with the real datapath on its veths:
+// a client pod (identifier cli), a backend pod on the node (identifier
+// web), and an uplink to a peer namespace standing for another node, with
+// a backend there.
+type serviceNode struct {
+	g               *Global
+	cli, web        *Datapath
+	node, client    ns.NetNS
+	back, remote    ns.NetNS
+	clientVeth      netnsutil.Veth
+	local, far      netip.AddrPort // the backends
+	clusterIP       netip.AddrPort // -> local
+	farIP           netip.AddrPort // -> far, through the uplink
+	nodePort        netip.AddrPort // a node address -> local
+	clientAddr      netip.Addr
+	nodeAddrOnLocal netip.Addr // the node's end of the backend's veth (what a masquerade gives)
+}
+
+var (
+	svcClusterIP = netip.MustParseAddrPort("10.96.0.10:80")
+	svcFarIP     = netip.MustParseAddrPort("10.96.0.11:80")
+	svcClient    = netip.MustParsePrefix("10.73.1.2/24")
+	svcNodeCli   = netip.MustParsePrefix("10.73.1.1/24")
+	svcBackNet   = netip.MustParsePrefix("10.73.2.1/24")
+	svcLocal     = netip.MustParseAddrPort("10.73.2.2:8080")
+	svcUplink    = netip.MustParsePrefix("10.73.3.1/24")
+	svcFar       = netip.MustParseAddrPort("10.73.3.2:8080")
+	svcNodePort  = netip.AddrPortFrom(svcNodeCli.Addr(), 30080)
+)
+
+func requireAfterNAT(t *testing.T) {
+	t.Helper()
+	kernel.RequireRoot(t)
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Skip("needs nft for kube-proxy's DNAT rules (installed by hack/deps.sh; kernel guests have none)")
+	}
+	if !AfterNATSupported() {
+		t.Skip("no conntrack kfuncs (Linux 5.18 and later): Services are judged on the frontend here")
+	}
+}
+
+func newServiceNode(t *testing.T, masquerade bool) *serviceNode {
+	t.Helper()
+	root := kernel.PinRoot(t)
+	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.Close() })
+	s := &serviceNode{g: g, local: svcLocal, far: svcFar, clusterIP: svcClusterIP, farIP: svcFarIP,
+		nodePort: svcNodePort, clientAddr: svcClient.Addr(), nodeAddrOnLocal: svcBackNet.Addr()}
+	for _, p := range []struct {
+		d  **Datapath
+		id podid.ID
+	}{{&s.cli, "cli@default"}, {&s.web, "web@default"}} {
+		d, err := OpenIdentifier(g, identDir(root, p.id), p.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		if d.Slot < 0 || d.AfterNAT == nil {
+			t.Fatalf("%s has no judge (slot %d) on a kernel with the kfuncs", p.id, d.Slot)
+		}
+		*p.d = d
+	}
+	if s.cli.Slot == s.web.Slot {
+		t.Fatalf("both identifiers have slot %d", s.cli.Slot)
+	}
+	s.node, s.client, s.back, s.remote = netnsutil.New(t), netnsutil.New(t), netnsutil.New(t), netnsutil.New(t)
+	s.clientVeth = netnsutil.AddVeth(t, s.node, s.client, "cli", svcNodeCli, svcClient)
+	bv := netnsutil.AddVeth(t, s.node, s.back, "bck", svcBackNet, netip.PrefixFrom(svcLocal.Addr(), 24))
+	uv := netnsutil.AddVeth(t, s.node, s.remote, "up", svcUplink, netip.PrefixFrom(svcFar.Addr(), 24))
+	defaultRoute(t, s.client, svcNodeCli.Addr())
+	defaultRoute(t, s.back, svcBackNet.Addr())
+	defaultRoute(t, s.remote, svcUplink.Addr())
+	dnat := func(from, to netip.AddrPort) string {
+		return "  ip daddr " + from.Addr().String() + " tcp dport " + strconv.Itoa(int(from.Port())) + " dnat to " + to.String() + "\n"
+	}
+	rules := "table ip kp {\n chain pre { type nat hook prerouting priority -100;\n" +
+		dnat(svcClusterIP, svcLocal) + dnat(svcFarIP, svcFar) + dnat(svcNodePort, svcLocal) + " }\n"
+	if masquerade {
+		rules += " chain post { type nat hook postrouting priority 100;\n  ip saddr " + svcClient.Addr().String() + " ip daddr != " +
+			svcClient.Addr().String() + " oifname != \"cli\" masquerade\n }\n"
+	}
+	rules += "}\n"
+	netnsutil.Do(t, s.node, func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644) // this namespace's
+	})
+	nsRun(t, s.node, rules, "nft", "-f", "-")
+
+	if err := s.cli.SetSources(uint32(s.clientVeth.HostIndex), Sources{Addrs: []netip.Addr{svcClient.Addr()}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.web.SetSources(uint32(bv.HostIndex), Sources{Addrs: []netip.Addr{svcLocal.Addr()}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := g.SetServices([]Frontend{
+		{svcClusterIP.Addr(), svcClusterIP.Port(), unix.IPPROTO_TCP},
+		{svcFarIP.Addr(), svcFarIP.Port(), unix.IPPROTO_TCP},
+		{svcNodePort.Addr(), svcNodePort.Port(), unix.IPPROTO_TCP},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	uplink, err := LoadUplink(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { uplink.Close() })
+	netnsutil.Do(t, s.node, func() error {
+		for _, a := range []struct {
+			ifindex int
+			hook    attach.Hook
+			prog    *ebpf.Program
+		}{
+			{s.clientVeth.HostIndex, attach.HookIngress, s.cli.Egress},
+			{s.clientVeth.HostIndex, attach.HookEgress, s.cli.Ingress},
+			{bv.HostIndex, attach.HookIngress, s.web.Egress},
+			{bv.HostIndex, attach.HookEgress, s.web.Ingress},
+			{uv.HostIndex, attach.HookEgress, uplink},
+		} {
+			if _, err := attach.Attach(attach.Options{Ifindex: a.ifindex, Hook: a.hook, Program: a.prog, Mode: attach.ModeTC}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	netnsutil.Listen(t, s.back, svcLocal.Port())
+	netnsutil.Listen(t, s.remote, svcFar.Port())
+	return s
+}
+
+// connects tells whether the client reaches dst; a refusal (RST) would
+// mean the SYN got through, which Connects reports as a failure.
+func (s *serviceNode) connects(t *testing.T, dst netip.AddrPort) bool {
+	t.Helper()
+	return netnsutil.Connects(t, s.client, dst, 400*time.Millisecond, 2)
+}
+
+func egressOnly(r ...policy.Rule) policy.Set {
+	return policy.Set{Mode: policy.ModeStandard, Selected: true, Egress: policy.DirectionPolicy{Isolated: true, Rules: rules(r...)}}
+}
+
+// TestServiceJudgedOnBackend: a pod's new flow to a Service is judged on
+// the backend kube-proxy translates it to, at the device it leaves by (the
+// backend pod's veth, or the uplink for a backend elsewhere), through a
+// ClusterIP and a NodePort, with and without a masquerade; a flow through
+// the Service gets the verdict of the direct one in each case.
+func TestServiceJudgedOnBackend(t *testing.T) {
+	requireAfterNAT(t)
+	cases := []struct {
+		name string
+		set  policy.Set
+		// Whether the local and the far backend are allowed, directly and
+		// so through their Services.
+		local, far bool
+	}{
+		{"an ipBlock naming the backends admits their Services",
+			egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(8080)), rule(svcFar.Addr().String()+"/32", tcpPort(8080))), true, true},
+		{"an except of the backend refuses its Service",
+			egressOnly(except(rule("10.73.0.0/16"), svcLocal.Addr().String()+"/32")), false, true},
+		{"the backend's port, not the Service's, is judged",
+			egressOnly(rule("10.73.0.0/16", tcpPort(80))), false, false},
+		{"a rule for the ClusterIPs alone admits nothing",
+			egressOnly(rule("10.96.0.0/16")), false, false},
+		{"an Admin Deny of the backends' range refuses their Services", func() policy.Set {
+			s := egressOnly(rule("0.0.0.0/0"))
+			s.Cluster.Admin[policy.Egress] = policy.TierRules{{CIDR: netip.MustParsePrefix("10.73.2.0/24"),
+				Ports: []policy.PortRange{ports(policy.ProtocolTCP, 1, 65535)}, Action: policy.ActionDeny}}
+			return s
+		}(), false, true},
+	}
+	for _, masquerade := range []bool{false, true} {
+		name := "dnat"
+		if masquerade {
+			name = "dnat+masquerade"
+		}
+		t.Run(name, func(t *testing.T) {
+			s := newServiceNode(t, masquerade)
+			for _, c := range cases {
+				if err := s.cli.ApplyPolicy(c.set); err != nil {
+					t.Fatalf("%s: %v", c.name, err)
+				}
+				for _, p := range []struct {
+					what string
+					dst  netip.AddrPort
+					want bool
+				}{
+					{"the local backend", s.local, c.local},
+					{"its ClusterIP", s.clusterIP, c.local},
+					{"its NodePort", s.nodePort, c.local},
+					{"the far backend", s.far, c.far},
+					{"its ClusterIP, through the uplink", s.farIP, c.far},
+				} {
+					if got := s.connects(t, p.dst); got != p.want {
+						t.Errorf("%s: %s (%s) connects %v, want %v", c.name, p.what, p.dst, got, p.want)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestServiceFlowTrackedAndRevoked: an admitted Service flow is tracked
+// under the tuple the client's veth sees (the ClusterIP), so its later
+// packets and replies pass as established; a policy change that no longer
+// allows its backend cuts it, judged again on the backend.
+func TestServiceFlowTrackedAndRevoked(t *testing.T) {
+	requireAfterNAT(t)
+	s := newServiceNode(t, false)
+	echo := echoServer(t, s.back, 9090)
+	front := netip.AddrPortFrom(svcClusterIP.Addr(), 90)
+	nsRun(t, s.node, "add rule ip kp pre ip daddr "+front.Addr().String()+" tcp dport 90 dnat to "+netip.AddrPortFrom(svcLocal.Addr(), echo).String()+"\n", "nft", "-f", "-")
+	if _, _, err := s.g.SetServices([]Frontend{{front.Addr(), front.Port(), unix.IPPROTO_TCP}}); err != nil {
+		t.Fatal(err)
+	}
+	// Ingress isolated too: a pod open to ingress would take the backend's
+	// next segment after the revocation as a new flow towards it (as for
+	// any revoked egress flow), and the client's packets as its replies.
+	isolated := func(s policy.Set) policy.Set {
+		s.Ingress.Isolated = true
+		return s
+	}
+	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(echo))))); err != nil {
+		t.Fatal(err)
+	}
+	var c net.Conn
+	netnsutil.Do(t, s.client, func() error {
+		var err error
+		c, err = net.DialTimeout("tcp", front.String(), time.Second)
+		return err
+	})
+	defer c.Close()
+	roundTrip := func() error {
+		if err := c.SetDeadline(time.Now().Add(500 * time.Millisecond)); err != nil {
+			return err
+		}
+		if _, err := c.Write([]byte("x")); err != nil {
+			return err
+		}
+		b := make([]byte, 1)
+		_, err := io.ReadFull(c, b)
+		return err
+	}
+	for range 3 {
+		if err := roundTrip(); err != nil {
+			t.Fatalf("round trip on an admitted Service flow: %v", err)
+		}
+	}
+	var (
+		k       podfenceCtKeyV4
+		v       podfenceCtValue
+		tracked bool
+	)
+	for it := s.g.CTv4.Iterate(); it.Next(&k, &v); {
+		if netip.AddrFrom4(k.Src) == svcClient.Addr() && netip.AddrFrom4(k.Dst) == front.Addr() && k.Dport == front.Port() {
+			tracked = v.Flags&4 != 0 && v.Flags&1 != 0 && k.Ifindex == uint32(s.clientVeth.HostIndex) // CT_SERVICE, CT_EGRESS
+		}
+	}
+	if !tracked {
+		t.Fatalf("no Service entry %s -> %s on the client's veth", svcClient.Addr(), front)
+	}
+	before, err := s.cli.ReadCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before[policy.Egress][ReasonCTEstablished] == 0 || before[policy.Ingress][ReasonCTReply] == 0 {
+		t.Errorf("counters %v: the flow's packets did not pass as established and replies", before)
+	}
+	// Revoked: the backend is no longer allowed.
+	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcFar.Addr().String() + "/32")))); err != nil {
+		t.Fatal(err)
+	}
+	if err := roundTrip(); err == nil {
+		c, _ := s.cli.ReadCounters()
+		w, _ := s.web.ReadCounters()
+		for it := s.g.CTv4.Iterate(); it.Next(&k, &v); {
+			t.Logf("ct %v:%d -> %v:%d if %d flags %d gen %d", k.Src, k.Sport, k.Dst, k.Dport, k.Ifindex, v.Flags, v.Generation)
+		}
+		g, _ := s.cli.Generation()
+		t.Fatalf("the Service flow still carries data after its backend's rule was removed; counters %v web %v gen %d", c, w, g)
+	} else if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Logf("after revocation: %v", err)
+	}
+	after, err := s.cli.ReadCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after[policy.Egress][ReasonRevoked] == before[policy.Egress][ReasonRevoked] {
+		t.Errorf("no revocation counted (egress revoked %d)", after[policy.Egress][ReasonRevoked])
+	}
+}
+
+// echoServer echoes what each connection to port in n sends.
+func echoServer(t *testing.T, n ns.NetNS, port uint16) uint16 {
+	t.Helper()
+	var ln net.Listener
+	netnsutil.Do(t, n, func() error {
+		var err error
+		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
+		return err
+	})
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
+	return port
+}

@@ -1,0 +1,220 @@
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
+
+	"github.com/podfence/podfence/pkg/pinpath"
+)
+
+// MaxSlots is how many identifiers of one node can have their Service
+// flows judged after the translation (MAX_SLOTS in service.h: the slot + 1
+// fills 11 bits of the mark). An identifier past it is judged at its veths
+// on the frontend, as on a kernel without the conntrack kfuncs.
+const MaxSlots = 2047
+
+// ErrNoSlot is wrapped when every slot of the node is taken.
+var ErrNoSlot = errors.New("no free identifier slot")
+
+// AfterNATSupported reports whether this kernel has what judging a Service
+// flow after its translation needs: the conntrack kfuncs
+// bpf_skb_ct_lookup and bpf_ct_release (Linux 5.18), in the kernel's BTF or
+// nf_conntrack's. Where nf_conntrack is a module that is not loaded yet the
+// answer is no until it is: kube-proxy loads it before a node runs pods.
+// The answer is read once per process.
+func AfterNATSupported() bool { return afterNATSupported() }
+
+var afterNATSupported = sync.OnceValue(func() bool {
+	has := func(s *btf.Spec) bool {
+		var fn *btf.Func
+		return s.TypeByName("bpf_skb_ct_lookup", &fn) == nil
+	}
+	if s, err := btf.LoadKernelSpec(); err == nil && has(s) {
+		return true
+	}
+	s, err := btf.LoadKernelModuleSpec("nf_conntrack")
+	return err == nil && has(s)
+})
+
+// ServiceJudgement says, for STATUS and the logs, how this kernel judges a
+// pod's flows to Services.
+func ServiceJudgement() string {
+	if afterNATSupported() {
+		return "Services judged on their backends, after the translation"
+	}
+	return "Services judged on their frontends: the kernel has no conntrack kfuncs (Linux 5.18, nf_conntrack loaded)"
+}
+
+// slotsDir is where the global directory keeps the slot reservations.
+func (g *Global) slotsDir() string { return filepath.Join(g.dir, pinpath.SlotsDir) }
+
+// reserveSlot returns the slot the identifier directory dir holds (want,
+// when its reservation names dir, or the first reservation naming dir,
+// which a load killed before its marker left), or reserves the lowest free
+// one: a reservation is a symlink to dir, and creating it is atomic, so
+// two identifiers loading at once never share a slot.
+func (g *Global) reserveSlot(dir string, want uint32, wanted bool) (uint32, error) {
+	sd := g.slotsDir()
+	if wanted {
+		if owner, err := os.Readlink(filepath.Join(sd, strconv.Itoa(int(want)))); err == nil && owner == dir {
+			return want, nil
+		}
+	}
+	if err := os.MkdirAll(sd, 0o700); err != nil {
+		return 0, fmt.Errorf("create slot directory: %w", err)
+	}
+	for n := range uint32(MaxSlots) {
+		err := os.Symlink(dir, filepath.Join(sd, strconv.Itoa(int(n))))
+		if err == nil {
+			return n, nil
+		}
+		if !errors.Is(err, os.ErrExist) {
+			return 0, fmt.Errorf("reserve slot %d: %w", n, err)
+		}
+		// Reserved for dir already, by a load killed before its marker.
+		if owner, err := os.Readlink(filepath.Join(sd, strconv.Itoa(int(n)))); err == nil && owner == dir {
+			return n, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: all %d are reserved (%s)", ErrNoSlot, MaxSlots, sd)
+}
+
+// installJudge puts the identifier's judge and ingress program at its
+// slot in the judges map, where tail calls find them.
+func (g *Global) installJudge(slot uint32, judge, ingress *ebpf.Program) error {
+	if err := g.Judges.Put(2*slot, judge); err != nil {
+		return fmt.Errorf("install judge of slot %d: %w", slot, err)
+	}
+	if err := g.Judges.Put(2*slot+1, ingress); err != nil {
+		return fmt.Errorf("install ingress program of slot %d: %w", slot, err)
+	}
+	return nil
+}
+
+// ReleaseSlot frees the slot of the identifier directory dir, whose node
+// directory is globalDir: its programs leave the node's judges map and its
+// reservation goes. A caller about to remove the identifier's objects
+// (RemoveObjects, RemoveIdentifier) calls it first, under the identifier's
+// lock. It opens only the judges pin, so that a DEL, which opens no other
+// global map, can call it. Idempotent; a reservation naming another
+// directory is left to it.
+func ReleaseSlot(globalDir, dir string) error {
+	slotsDir := filepath.Join(globalDir, pinpath.SlotsDir)
+	var slots []uint32
+	mk, ok, err := readMarker(dir)
+	switch {
+	case err == nil && ok && mk.hasSlot:
+		slots = append(slots, mk.slot)
+	default:
+		// No slot recorded: a load killed between reserving one and
+		// writing the marker may have left a reservation naming dir.
+		entries, err := os.ReadDir(slotsDir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("release slots: %w", err)
+		}
+		for _, e := range entries {
+			n, err := strconv.ParseUint(e.Name(), 10, 32)
+			if err != nil || n >= MaxSlots {
+				continue
+			}
+			if owner, err := os.Readlink(filepath.Join(slotsDir, e.Name())); err == nil && owner == dir {
+				slots = append(slots, uint32(n))
+			}
+		}
+	}
+	if len(slots) == 0 {
+		return nil
+	}
+	judges, err := ebpf.LoadPinnedMap(filepath.Join(globalDir, mapJudges), nil)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("release slots: %w", err)
+	}
+	if judges != nil {
+		defer judges.Close()
+	}
+	for _, n := range slots {
+		if err := freeSlot(judges, slotsDir, n, dir); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// freeSlot empties slot's entries of judges (nil: there is no such map)
+// and removes its reservation in slotsDir, if it names dir.
+func freeSlot(judges *ebpf.Map, slotsDir string, slot uint32, dir string) error {
+	path := filepath.Join(slotsDir, strconv.Itoa(int(slot)))
+	owner, err := os.Readlink(path)
+	if errors.Is(err, os.ErrNotExist) || (err == nil && owner != dir) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read slot %d: %w", slot, err)
+	}
+	for _, k := range []uint32{2 * slot, 2*slot + 1} {
+		if judges == nil {
+			break
+		}
+		if err := judges.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("release slot %d: %w", slot, err)
+		}
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("release slot %d: %w", slot, err)
+	}
+	return nil
+}
+
+// SweepSlots frees the slots whose identifier directory is gone (removed
+// by a build before slots, or by a removal killed halfway) and returns how
+// many it freed. A reservation a load made but did not record (killed
+// before its marker) stays until its identifier is removed: freeing it
+// while the identifier lives could race a load that is about to record it.
+func (g *Global) SweepSlots() (int, error) {
+	entries, err := os.ReadDir(g.slotsDir())
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("sweep slots: %w", err)
+	}
+	freed := 0
+	var errs []error
+	for _, e := range entries {
+		n, err := strconv.ParseUint(e.Name(), 10, 32)
+		if err != nil || n >= MaxSlots {
+			continue
+		}
+		owner, err := os.Readlink(filepath.Join(g.slotsDir(), e.Name()))
+		if err != nil {
+			continue
+		}
+		if _, err := os.Stat(owner); !errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err := freeSlot(g.Judges, g.slotsDir(), uint32(n), owner); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		freed++
+	}
+	return freed, errors.Join(errs...)
+}
+
+// LoadUplink loads the program that judges, at an uplink's TC egress, the
+// Service flows translated to backends off the node (uplink_after_nat),
+// using the node's judges map. The caller attaches and owns it.
+func LoadUplink(g *Global) (*ebpf.Program, error) {
+	cs, err := loadableSpec()
+	if err != nil {
+		return nil, err
+	}
+	return loadProgram(cs, progUplink, g.replacements())
+}
