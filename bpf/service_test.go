@@ -41,16 +41,38 @@ type serviceNode struct {
 	nodeAddrOnLocal netip.Addr // the node's end of the backend's veth (what a masquerade gives)
 }
 
+// serviceAddrs are a serviceNode's addresses in one family.
+type serviceAddrs struct {
+	clusterIP, farIP      netip.AddrPort
+	client, nodeCli       netip.Prefix // the client pod's and the node's end of its veth
+	backNet, uplink       netip.Prefix // the node's ends of the backend's veth and the uplink
+	local, far            netip.AddrPort
+	nft, match, anyPrefix string // nftables family, address match, the default route
+	wide                  string // a prefix that holds both backends
+}
+
+func (a serviceAddrs) nodePort() netip.AddrPort { return netip.AddrPortFrom(a.nodeCli.Addr(), 30080) }
+
 var (
-	svcClusterIP = netip.MustParseAddrPort("10.96.0.10:80")
-	svcFarIP     = netip.MustParseAddrPort("10.96.0.11:80")
-	svcClient    = netip.MustParsePrefix("10.73.1.2/24")
-	svcNodeCli   = netip.MustParsePrefix("10.73.1.1/24")
-	svcBackNet   = netip.MustParsePrefix("10.73.2.1/24")
-	svcLocal     = netip.MustParseAddrPort("10.73.2.2:8080")
-	svcUplink    = netip.MustParsePrefix("10.73.3.1/24")
-	svcFar       = netip.MustParseAddrPort("10.73.3.2:8080")
-	svcNodePort  = netip.AddrPortFrom(svcNodeCli.Addr(), 30080)
+	serviceV4 = serviceAddrs{
+		clusterIP: netip.MustParseAddrPort("10.96.0.10:80"), farIP: netip.MustParseAddrPort("10.96.0.11:80"),
+		client: netip.MustParsePrefix("10.73.1.2/24"), nodeCli: netip.MustParsePrefix("10.73.1.1/24"),
+		backNet: netip.MustParsePrefix("10.73.2.1/24"), uplink: netip.MustParsePrefix("10.73.3.1/24"),
+		local: netip.MustParseAddrPort("10.73.2.2:8080"), far: netip.MustParseAddrPort("10.73.3.2:8080"),
+		nft: "ip", match: "ip", anyPrefix: "0.0.0.0/0", wide: "10.73.0.0/16",
+	}
+	serviceV6 = serviceAddrs{
+		clusterIP: netip.MustParseAddrPort("[fd00:96::10]:80"), farIP: netip.MustParseAddrPort("[fd00:96::11]:80"),
+		client: netip.MustParsePrefix("fd73:1::2/64"), nodeCli: netip.MustParsePrefix("fd73:1::1/64"),
+		backNet: netip.MustParsePrefix("fd73:2::1/64"), uplink: netip.MustParsePrefix("fd73:3::1/64"),
+		local: netip.MustParseAddrPort("[fd73:2::2]:8080"), far: netip.MustParseAddrPort("[fd73:3::2]:8080"),
+		nft: "ip6", match: "ip6", anyPrefix: "::/0", wide: "fd73::/16",
+	}
+	// The IPv4 scene's, for the tests that use one family.
+	svcClusterIP = serviceV4.clusterIP
+	svcClient    = serviceV4.client
+	svcLocal     = serviceV4.local
+	svcFar       = serviceV4.far
 )
 
 func requireAfterNAT(t *testing.T) {
@@ -64,7 +86,7 @@ func requireAfterNAT(t *testing.T) {
 	}
 }
 
-func newServiceNode(t *testing.T, masquerade bool) *serviceNode {
+func newServiceNode(t *testing.T, a serviceAddrs, masquerade bool) *serviceNode {
 	t.Helper()
 	root := kernel.PinRoot(t)
 	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
@@ -72,8 +94,8 @@ func newServiceNode(t *testing.T, masquerade bool) *serviceNode {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { g.Close() })
-	s := &serviceNode{g: g, local: svcLocal, far: svcFar, clusterIP: svcClusterIP, farIP: svcFarIP,
-		nodePort: svcNodePort, clientAddr: svcClient.Addr(), nodeAddrOnLocal: svcBackNet.Addr()}
+	s := &serviceNode{g: g, local: a.local, far: a.far, clusterIP: a.clusterIP, farIP: a.farIP,
+		nodePort: a.nodePort(), clientAddr: a.client.Addr(), nodeAddrOnLocal: a.backNet.Addr()}
 	for _, p := range []struct {
 		d  **Datapath
 		id podid.ID
@@ -92,37 +114,44 @@ func newServiceNode(t *testing.T, masquerade bool) *serviceNode {
 		t.Fatalf("both identifiers have slot %d", s.cli.Slot)
 	}
 	s.node, s.client, s.back, s.remote = netnsutil.New(t), netnsutil.New(t), netnsutil.New(t), netnsutil.New(t)
-	s.clientVeth = netnsutil.AddVeth(t, s.node, s.client, "cli", svcNodeCli, svcClient)
-	bv := netnsutil.AddVeth(t, s.node, s.back, "bck", svcBackNet, netip.PrefixFrom(svcLocal.Addr(), 24))
-	uv := netnsutil.AddVeth(t, s.node, s.remote, "up", svcUplink, netip.PrefixFrom(svcFar.Addr(), 24))
-	defaultRoute(t, s.client, svcNodeCli.Addr())
-	defaultRoute(t, s.back, svcBackNet.Addr())
-	defaultRoute(t, s.remote, svcUplink.Addr())
-	dnat := func(from, to netip.AddrPort) string {
-		return "  ip daddr " + from.Addr().String() + " tcp dport " + strconv.Itoa(int(from.Port())) + " dnat to " + to.String() + "\n"
+	bits := a.client.Bits()
+	s.clientVeth = netnsutil.AddVeth(t, s.node, s.client, "cli", a.nodeCli, a.client)
+	bv := netnsutil.AddVeth(t, s.node, s.back, "bck", a.backNet, netip.PrefixFrom(a.local.Addr(), bits))
+	uv := netnsutil.AddVeth(t, s.node, s.remote, "up", a.uplink, netip.PrefixFrom(a.far.Addr(), bits))
+	for _, r := range []struct {
+		n  ns.NetNS
+		gw netip.Addr
+	}{{s.client, a.nodeCli.Addr()}, {s.back, a.backNet.Addr()}, {s.remote, a.uplink.Addr()}} {
+		nsRun(t, r.n, "", "ip", "route", "add", "default", "via", r.gw.String())
 	}
-	rules := "table ip kp {\n chain pre { type nat hook prerouting priority -100;\n" +
-		dnat(svcClusterIP, svcLocal) + dnat(svcFarIP, svcFar) + dnat(svcNodePort, svcLocal) + " }\n"
+	dnat := func(from, to netip.AddrPort) string {
+		return "  " + a.match + " daddr " + from.Addr().String() + " tcp dport " + strconv.Itoa(int(from.Port())) + " dnat to " + to.String() + "\n"
+	}
+	rules := "table " + a.nft + " kp {\n chain pre { type nat hook prerouting priority -100;\n" +
+		dnat(a.clusterIP, a.local) + dnat(a.farIP, a.far) + dnat(a.nodePort(), a.local) + " }\n"
 	if masquerade {
-		rules += " chain post { type nat hook postrouting priority 100;\n  ip saddr " + svcClient.Addr().String() + " ip daddr != " +
-			svcClient.Addr().String() + " oifname != \"cli\" masquerade\n }\n"
+		rules += " chain post { type nat hook postrouting priority 100;\n  " + a.match + " saddr " + a.client.Addr().String() + " " +
+			a.match + " daddr != " + a.client.Addr().String() + " oifname != \"cli\" masquerade\n }\n"
 	}
 	rules += "}\n"
-	netnsutil.Do(t, s.node, func() error {
-		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644) // this namespace's
+	netnsutil.Do(t, s.node, func() error { // this namespace's
+		if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644); err != nil {
+			return err
+		}
+		return os.WriteFile("/proc/sys/net/ipv6/conf/all/forwarding", []byte("1"), 0o644)
 	})
 	nsRun(t, s.node, rules, "nft", "-f", "-")
 
-	if err := s.cli.SetSources(uint32(s.clientVeth.HostIndex), Sources{Addrs: []netip.Addr{svcClient.Addr()}}); err != nil {
+	if err := s.cli.SetSources(uint32(s.clientVeth.HostIndex), Sources{Addrs: []netip.Addr{a.client.Addr()}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.web.SetSources(uint32(bv.HostIndex), Sources{Addrs: []netip.Addr{svcLocal.Addr()}}); err != nil {
+	if err := s.web.SetSources(uint32(bv.HostIndex), Sources{Addrs: []netip.Addr{a.local.Addr()}}); err != nil {
 		t.Fatal(err)
 	}
 	if _, _, err := g.SetServices([]Frontend{
-		{svcClusterIP.Addr(), svcClusterIP.Port(), unix.IPPROTO_TCP},
-		{svcFarIP.Addr(), svcFarIP.Port(), unix.IPPROTO_TCP},
-		{svcNodePort.Addr(), svcNodePort.Port(), unix.IPPROTO_TCP},
+		{a.clusterIP.Addr(), a.clusterIP.Port(), unix.IPPROTO_TCP},
+		{a.farIP.Addr(), a.farIP.Port(), unix.IPPROTO_TCP},
+		{a.nodePort().Addr(), a.nodePort().Port(), unix.IPPROTO_TCP},
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -149,16 +178,21 @@ func newServiceNode(t *testing.T, masquerade bool) *serviceNode {
 		}
 		return nil
 	})
-	netnsutil.Listen(t, s.back, svcLocal.Port())
-	netnsutil.Listen(t, s.remote, svcFar.Port())
+	netnsutil.Listen(t, s.back, a.local.Port())
+	netnsutil.Listen(t, s.remote, a.far.Port())
 	return s
 }
 
-// connects tells whether the client reaches dst; a refusal (RST) would
-// mean the SYN got through, which Connects reports as a failure.
-func (s *serviceNode) connects(t *testing.T, dst netip.AddrPort) bool {
+// connects tells whether the client reaches dst, trying harder when it
+// should (a SYN lost to anything else is retried) than when it should not
+// (one that gets through at all is the failure); a refusal (RST) would mean
+// the SYN got through, which Connects reports as a failure.
+func (s *serviceNode) connects(t *testing.T, dst netip.AddrPort, want bool) bool {
 	t.Helper()
-	return netnsutil.Connects(t, s.client, dst, 400*time.Millisecond, 2)
+	if want {
+		return netnsutil.Connects(t, s.client, dst, time.Second, 3)
+	}
+	return netnsutil.Connects(t, s.client, dst, 300*time.Millisecond, 1)
 }
 
 func egressOnly(r ...policy.Rule) policy.Set {
@@ -172,6 +206,16 @@ func egressOnly(r ...policy.Rule) policy.Set {
 // the Service gets the verdict of the direct one in each case.
 func TestServiceJudgedOnBackend(t *testing.T) {
 	requireAfterNAT(t)
+	for _, a := range []serviceAddrs{serviceV4, serviceV6} {
+		t.Run(a.nft, func(t *testing.T) { serviceJudgedOnBackend(t, a) })
+	}
+}
+
+func serviceJudgedOnBackend(t *testing.T, a serviceAddrs) {
+	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
+	wide := a.wide
+	backendNet := netip.PrefixFrom(a.local.Addr(), a.client.Bits()).Masked().String()
+	frontends := netip.PrefixFrom(a.clusterIP.Addr(), a.clusterIP.Addr().BitLen()-16).Masked().String()
 	cases := []struct {
 		name string
 		set  policy.Set
@@ -180,16 +224,16 @@ func TestServiceJudgedOnBackend(t *testing.T) {
 		local, far bool
 	}{
 		{"an ipBlock naming the backends admits their Services",
-			egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(8080)), rule(svcFar.Addr().String()+"/32", tcpPort(8080))), true, true},
+			egressOnly(rule(host(a.local), tcpPort(8080)), rule(host(a.far), tcpPort(8080))), true, true},
 		{"an except of the backend refuses its Service",
-			egressOnly(except(rule("10.73.0.0/16"), svcLocal.Addr().String()+"/32")), false, true},
+			egressOnly(except(rule(wide), host(a.local))), false, true},
 		{"the backend's port, not the Service's, is judged",
-			egressOnly(rule("10.73.0.0/16", tcpPort(80))), false, false},
+			egressOnly(rule(wide, tcpPort(80))), false, false},
 		{"a rule for the ClusterIPs alone admits nothing",
-			egressOnly(rule("10.96.0.0/16")), false, false},
+			egressOnly(rule(frontends)), false, false},
 		{"an Admin Deny of the backends' range refuses their Services", func() policy.Set {
-			s := egressOnly(rule("0.0.0.0/0"))
-			s.Cluster.Admin[policy.Egress] = policy.TierRules{{CIDR: netip.MustParsePrefix("10.73.2.0/24"),
+			s := egressOnly(rule(a.anyPrefix))
+			s.Cluster.Admin[policy.Egress] = policy.TierRules{{CIDR: netip.MustParsePrefix(backendNet),
 				Ports: []policy.PortRange{ports(policy.ProtocolTCP, 1, 65535)}, Action: policy.ActionDeny}}
 			return s
 		}(), false, true},
@@ -200,7 +244,14 @@ func TestServiceJudgedOnBackend(t *testing.T) {
 			name = "dnat+masquerade"
 		}
 		t.Run(name, func(t *testing.T) {
-			s := newServiceNode(t, masquerade)
+			s := newServiceNode(t, a, masquerade)
+			// The scene works before the cases: every path connects with
+			// nothing isolated (IPv6 neighbours are found meanwhile).
+			for _, dst := range []netip.AddrPort{s.local, s.clusterIP, s.nodePort, s.far, s.farIP} {
+				if !netnsutil.Connects(t, s.client, dst, time.Second, 3) {
+					t.Fatalf("%s does not connect with no policy", dst)
+				}
+			}
 			for _, c := range cases {
 				if err := s.cli.ApplyPolicy(c.set); err != nil {
 					t.Fatalf("%s: %v", c.name, err)
@@ -216,7 +267,7 @@ func TestServiceJudgedOnBackend(t *testing.T) {
 					{"the far backend", s.far, c.far},
 					{"its ClusterIP, through the uplink", s.farIP, c.far},
 				} {
-					if got := s.connects(t, p.dst); got != p.want {
+					if got := s.connects(t, p.dst, p.want); got != p.want {
 						t.Errorf("%s: %s (%s) connects %v, want %v", c.name, p.what, p.dst, got, p.want)
 					}
 				}
@@ -231,7 +282,7 @@ func TestServiceJudgedOnBackend(t *testing.T) {
 // allows its backend cuts it, judged again on the backend.
 func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	requireAfterNAT(t)
-	s := newServiceNode(t, false)
+	s := newServiceNode(t, serviceV4, false)
 	echo := echoServer(t, s.back, 9090)
 	front := netip.AddrPortFrom(svcClusterIP.Addr(), 90)
 	nsRun(t, s.node, "add rule ip kp pre ip daddr "+front.Addr().String()+" tcp dport 90 dnat to "+netip.AddrPortFrom(svcLocal.Addr(), echo).String()+"\n", "nft", "-f", "-")

@@ -286,15 +286,15 @@ func TestClusterTiers(t *testing.T) {
 	waitConnects(t, intruder, other, backendPort, true, changed, 2*time.Second)
 }
 
-// TestClusterEgressBeforeDNAT pins a known limit, shared with
-// PolicyEndpoints (README, "Cluster policy tiers"): a pod's egress is
-// judged before the Service's DNAT, on the ClusterIP, and the controller
-// puts no ClusterIP into a networks peer. So an Admin egress Deny of a
-// backend's address stops the client's connections to that address, but
-// not those through the Service in front of it. The backend's own ingress
-// rules are judged after DNAT and do hold: an Admin ingress Deny on web
-// stops the client either way.
-func TestClusterEgressBeforeDNAT(t *testing.T) {
+// TestClusterEgressThroughService: an Admin egress Deny of a backend's
+// address stops the client's connections to that address and, with the
+// Service's frontend in the services map, those through the Service in
+// front of it, judged on the backend after the DNAT. Without the frontend
+// (a kernel without the conntrack kfuncs, a node whose sweeper follows no
+// Services) the Service is judged on its address, which the Deny does not
+// name: that way round it still connects (README, "Cluster-wide tiers").
+// The backend's own ingress rules, judged after the DNAT, hold either way.
+func TestClusterEgressThroughService(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
 	client, _, web := c.vipScene(t)
 	// The client's NetworkPolicy also allows the backend directly, so
@@ -312,7 +312,17 @@ func TestClusterEgressBeforeDNAT(t *testing.T) {
 		egress: []clusterRule{{"Deny", host(web), 0}}})
 	waitConnects(t, client, web, backendPort, false, changed, 2*time.Second)
 	if !netnsutil.Connects(t, client.netns, vip, 300*time.Millisecond, 3) {
-		t.Fatal("the client no longer reaches web through its Service: the known limit is gone (judged after DNAT?); update this test and the README")
+		t.Fatal("without the frontend in the services map, the client no longer reaches web through its Service")
+	}
+	if bpf.AfterNATSupported() {
+		c.setServices(t, bpf.Frontend{Addr: vip.Addr(), Port: vip.Port(), Proto: 6})
+		if netnsutil.Connects(t, client.netns, vip, 300*time.Millisecond, 2) {
+			t.Fatal("an Admin egress Deny of the backend does not stop the client's connections through its Service")
+		}
+		if n := c.counters(t, "client@default")[policy.Egress][bpf.ReasonAdminDeny]; n == 0 {
+			t.Error("the Service's connections were refused without counting admin-deny")
+		}
+		c.setServices(t)
 	}
 
 	c.writeCluster(t, clusterDoc{name: "guard-web", tier: "Admin", priority: 10, pods: []*pod{web},

@@ -31,68 +31,100 @@ const (
 // program sees the VIP (it runs before the node's DNAT), B's ingress
 // program sees A; each tracks the one kernel flow under its own key. A live
 // connection must survive a policy change that still allows it, at both
-// ends, and end when B's policy revokes it.
+// ends, and end when B's policy revokes it. Both ways A's egress is
+// judged: on the VIP (no frontends in the services map: a kernel without
+// the conntrack kfuncs, or a node whose sweeper follows no Services) and
+// on B after the DNAT (the VIP a frontend; A's policy names B, not the VIP).
 func TestServiceVIPConnection(t *testing.T) {
 	for _, mode := range attachModes(t) {
-		t.Run(mode, func(t *testing.T) {
-			c := newCluster(t, mode)
-			const clientID = "client@default"
-			toVIP := tcpRule(serviceVIP.String(), servicePort)
-			client, stranger, _ := c.vipScene(t)
-
-			if conn, err := dialEcho(stranger.netns); err == nil {
-				conn.Close()
-				t.Fatal("a client the backend's policy does not name reached it through the VIP")
-			}
-			conn, err := dialEcho(client.netns)
-			if err != nil {
-				t.Fatalf("client to the VIP: %v", err)
-			}
-			defer conn.Close()
-			if err := conn.roundTrip("before"); err != nil {
-				t.Fatalf("first message: %v", err)
-			}
-
-			// A new generation at both ends that still allows the flow: the
-			// live connection's entries are re-checked and kept. Traffic
-			// alone cannot tell, since a lost entry is re-created by the
-			// next segment where the policy allows a new flow; the reasons
-			// can: nothing revoked and no new flow allowed, only tracked
-			// packets. (Other reasons are left alone: a pod's own IPv6
-			// router solicitations may be denied meanwhile.)
-			c.writePolicy("web", backendPolicy(client.ip, backendPort, backendPort+1))
-			c.applyPolicy(t, webID)
-			c.writePolicy("client", egressOnly("client", toVIP, docRule{cidr: "10.97.0.0/16"}))
-			c.applyPolicy(t, clientID)
-			before := map[podid.ID]bpf.Counters{webID: c.counters(t, webID), clientID: c.counters(t, clientID)}
-			if err := conn.roundTrip("after an unrelated change"); err != nil {
-				t.Fatalf("live VIP connection broken by a policy change that still allows it: %v", err)
-			}
-			for id, b := range before {
-				a := c.counters(t, id)
-				tracked := uint64(0)
-				for d := range a {
-					for _, r := range []bpf.Reason{bpf.ReasonRevoked, bpf.ReasonPolicyAllow, bpf.ReasonNotIsolated} {
-						if n := a[d][r] - b[d][r]; n != 0 {
-							t.Errorf("%s %s: %d packets %s after a change that keeps the flow", id, policy.Direction(d), n, r)
-						}
-					}
-					tracked += a[d][bpf.ReasonCTEstablished] - b[d][bpf.ReasonCTEstablished] + a[d][bpf.ReasonCTReply] - b[d][bpf.ReasonCTReply]
+		for _, judged := range []string{"frontend", "backend"} {
+			t.Run(mode+"/"+judged, func(t *testing.T) {
+				if judged == "backend" && !bpf.AfterNATSupported() {
+					t.Skip("no conntrack kfuncs: Services are judged on the frontend here")
 				}
-				if tracked == 0 {
-					t.Errorf("%s: the round trip passed no tracked packet", id)
+				serviceVIPConnection(t, mode, judged == "backend")
+			})
+		}
+	}
+}
+
+func serviceVIPConnection(t *testing.T, mode string, onBackend bool) {
+	c := newCluster(t, mode)
+	const clientID = "client@default"
+	toVIP := tcpRule(serviceVIP.String(), servicePort)
+	client, stranger, web := c.vipScene(t)
+	if onBackend {
+		c.setServices(t, bpf.Frontend{Addr: serviceVIP.Addr(), Port: servicePort, Proto: 6})
+		toVIP = tcpRule(host(web), backendPort)
+		c.writePolicy("client", egressOnly("client", toVIP))
+		c.applyPolicy(t, clientID)
+	}
+
+	if conn, err := dialEcho(stranger.netns); err == nil {
+		conn.Close()
+		t.Fatal("a client the backend's policy does not name reached it through the VIP")
+	}
+	conn, err := dialEcho(client.netns)
+	if err != nil {
+		t.Fatalf("client to the VIP: %v", err)
+	}
+	defer conn.Close()
+	if err := conn.roundTrip("before"); err != nil {
+		t.Fatalf("first message: %v", err)
+	}
+
+	// A new generation at both ends that still allows the flow: the
+	// live connection's entries are re-checked and kept. Traffic
+	// alone cannot tell, since a lost entry is re-created by the
+	// next segment where the policy allows a new flow; the reasons
+	// can: nothing revoked and no new flow allowed, only tracked
+	// packets. (Other reasons are left alone: a pod's own IPv6
+	// router solicitations may be denied meanwhile.)
+	c.writePolicy("web", backendPolicy(client.ip, backendPort, backendPort+1))
+	c.applyPolicy(t, webID)
+	c.writePolicy("client", egressOnly("client", toVIP, docRule{cidr: "10.97.0.0/16"}))
+	c.applyPolicy(t, clientID)
+	before := map[podid.ID]bpf.Counters{webID: c.counters(t, webID), clientID: c.counters(t, clientID)}
+	if err := conn.roundTrip("after an unrelated change"); err != nil {
+		t.Fatalf("live VIP connection broken by a policy change that still allows it: %v", err)
+	}
+	for id, b := range before {
+		a := c.counters(t, id)
+		tracked := uint64(0)
+		for d := range a {
+			for _, r := range []bpf.Reason{bpf.ReasonRevoked, bpf.ReasonPolicyAllow, bpf.ReasonNotIsolated} {
+				if n := a[d][r] - b[d][r]; n != 0 {
+					t.Errorf("%s %s: %d packets %s after a change that keeps the flow", id, policy.Direction(d), n, r)
 				}
 			}
+			tracked += a[d][bpf.ReasonCTEstablished] - b[d][bpf.ReasonCTEstablished] + a[d][bpf.ReasonCTReply] - b[d][bpf.ReasonCTReply]
+		}
+		if tracked == 0 {
+			t.Errorf("%s: the round trip passed no tracked packet", id)
+		}
+	}
 
-			c.writePolicy("web", backendPolicy(stranger.ip, backendPort))
-			c.applyPolicy(t, webID)
-			if err := conn.roundTrip("after revocation"); err == nil {
-				t.Fatal("connection still works after the backend's policy revoked it")
-			}
-			if n := c.counters(t, webID)[policy.Ingress][bpf.ReasonRevoked]; n == 0 {
-				t.Error("the backend dropped the revoked connection without counting it revoked")
-			}
-		})
+	c.writePolicy("web", backendPolicy(stranger.ip, backendPort))
+	c.applyPolicy(t, webID)
+	if err := conn.roundTrip("after revocation"); err == nil {
+		t.Fatal("connection still works after the backend's policy revoked it")
+	}
+	if n := c.counters(t, webID)[policy.Ingress][bpf.ReasonRevoked]; n == 0 {
+		t.Error("the backend dropped the revoked connection without counting it revoked")
+	}
+}
+
+// setServices makes the node's services map hold exactly frontends, as the
+// sweeper does from the cluster's Services.
+func (c *cluster) setServices(t *testing.T, frontends ...bpf.Frontend) {
+	t.Helper()
+	g, err := bpf.OpenGlobal(globalDir(c.pinRoot), bpf.GlobalOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if _, _, err := g.SetServices(frontends); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -160,18 +160,11 @@ func exactly(names []string) string {
 }
 
 // knownFailures are the suite's cases that fail on this node for a reason
-// outside podfence's datapath as it is, with the reason. The suite probes
-// each server through its Service's ClusterIP, and podfence judges a pod's
-// egress at its veth, before kube-proxy's DNAT: it sees the ClusterIP.
-// The controller adds ClusterIPs to pod- and namespace-selector peers,
-// not to ipBlock peers (the pre-DNAT class).
+// outside podfence's datapath as it is, with the reason. (The suite probes
+// each server through its Service's ClusterIP: the three ipBlock cases
+// pass since a pod's egress is judged on the backend after kube-proxy's
+// translation, bpf/service.h.)
 var knownFailures = map[string]string{
-	"[sig-network] Netpol NetworkPolicy between server and client should allow egress access to server in CIDR block [Feature:NetworkPolicy]": "" +
-		"pre-DNAT: the egress ipBlock names the server pod's /32; the probe goes to the server's ClusterIP, which no rule of the PolicyEndpoint holds (the controller adds none for ipBlock peers): denied",
-	"[sig-network] Netpol NetworkPolicy between server and client should enforce except clause while egress access to server in CIDR block [Feature:NetworkPolicy]": "" +
-		"pre-DNAT: the egress ipBlock 0.0.0.0/4 holds the Service range and its except the server pod's /32; the probe to the server's ClusterIP matches the range and not the except: allowed (a way around except)",
-	"[sig-network] Netpol NetworkPolicy between server and client should ensure an IP overlapping both IPBlock.CIDR and IPBlock.Except is allowed [Feature:NetworkPolicy]": "" +
-		"pre-DNAT: its first step is the except case's: the ClusterIP is in 0.0.0.0/4 and not in the except, so the probe the except should block is allowed",
 	"[sig-network] Netpol NetworkPolicy between server and client should allow egress access on one named port [Feature:NetworkPolicy]": "" +
 		"the controller: an egress rule of a named port without peers cannot be resolved to a number (it would name a port of every destination); v1.1.10 writes no rule for it, so the PolicyEndpoint isolates egress allowing nothing (computeEgressEndpoints, buildAllowAllEgress)",
 }
@@ -186,8 +179,9 @@ var suiteSubset = []string{
 	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy to allow traffic only from a different namespace, based on NamespaceSelector [Feature:NetworkPolicy]",
 	// both in one peer
 	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy based on PodSelector and NamespaceSelector [Feature:NetworkPolicy]",
-	// (ipBlock peers: every case probes through a Service, see
-	// knownFailures; TestIPBlockAndEndPort covers them pod to pod.)
+	// ipBlock with an except, probed through the server's Service: judged
+	// on the backend, after the translation
+	"[sig-network] Netpol NetworkPolicy between server and client should enforce except clause while egress access to server in CIDR block [Feature:NetworkPolicy]",
 	// numbered ports
 	"[sig-network] Netpol NetworkPolicy between server and client should enforce policy based on Ports [Feature:NetworkPolicy]",
 	// named ports

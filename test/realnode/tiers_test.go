@@ -212,10 +212,10 @@ func TestClusterTiersOnNode(t *testing.T) {
 // connection, the one of lower priority number decides, whatever their
 // prefix lengths: an egress Deny of the pod range and an Accept of the
 // server's address, swapped by editing the Accept's priority; `why` names
-// the rule each time. And the known limit (README, "Cluster-wide tiers"):
-// while the Deny of the pod range holds, the client still reaches the
-// server through its Service, since egress is judged before the Service's
-// DNAT.
+// the rule each time. And the Deny of the pod range covers the server's
+// Service too: the client's flow to the ClusterIP is judged on the server,
+// after kube-proxy's DNAT (the sweeper writes the Service's frontend), and
+// the Accept of the server opens it again.
 func TestClusterTierPrioritiesOnNode(t *testing.T) {
 	s := newTierScene(t)
 	vip := serviceFor(t, s.n, s.cs, s.ns, "server")
@@ -235,13 +235,19 @@ func TestClusterTierPrioritiesOnNode(t *testing.T) {
 	if got := s.tiers(); !slices.Equal(got["client"], []string{"admin/egress"}) || got["server"] == nil || len(got["server"]) != 0 {
 		t.Errorf("ls: tiers by pod %v, want admin/egress for the client, none for the server", got)
 	}
-	waitFor(t, "the client through the server's Service under an Admin Deny of "+podRange+" (judged before DNAT)", 10*time.Second, func() error {
-		return connects(s.n, s.pods["client"].UID, vip)
+	waitFor(t, "the client refused through the server's Service under an Admin Deny of "+podRange+" (judged on the backend)", 10*time.Second, func() error {
+		if err := connects(s.n, s.pods["client"].UID, vip); err == nil {
+			return fmt.Errorf("the client reaches the server through %s", vip)
+		}
+		return nil
 	})
 
 	s.create("accept-server", "Admin", 10, s.peer("client"), nil, []any{rule("Accept", "to", s.peer("server"))})
 	s.waitReach("client", "server", true, time.Minute)
 	decides("accept-server", "Accept", 10)
+	waitFor(t, "the client through the server's Service under the Accept", 10*time.Second, func() error {
+		return connects(s.n, s.pods["client"].UID, vip)
+	})
 
 	// The Accept's /32 is longer than the Deny's /16: the priority decides.
 	s.setPriority("accept-server", 30)
