@@ -88,12 +88,7 @@ func requireAfterNAT(t *testing.T) {
 
 func newServiceNode(t *testing.T, a serviceAddrs, masquerade bool) *serviceNode {
 	t.Helper()
-	root := kernel.PinRoot(t)
-	g, err := OpenGlobal(globalDir(root), GlobalOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { g.Close() })
+	root, g := openGlobal(t)
 	s := &serviceNode{g: g, local: a.local, far: a.far, clusterIP: a.clusterIP, farIP: a.farIP,
 		nodePort: a.nodePort(), clientAddr: a.client.Addr(), nodeAddrOnLocal: a.backNet.Addr()}
 	for _, p := range []struct {
@@ -283,7 +278,8 @@ func serviceJudgedOnBackend(t *testing.T, a serviceAddrs) {
 func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	requireAfterNAT(t)
 	s := newServiceNode(t, serviceV4, false)
-	echo := echoServer(t, s.back, 9090)
+	const echo = 9090
+	netnsutil.Echo(t, s.back, echo)
 	front := netip.AddrPortFrom(svcClusterIP.Addr(), 90)
 	nsRun(t, s.node, "add rule ip kp pre ip daddr "+front.Addr().String()+" tcp dport 90 dnat to "+netip.AddrPortFrom(svcLocal.Addr(), echo).String()+"\n", "nft", "-f", "-")
 	if _, _, err := s.g.SetServices([]Frontend{{front.Addr(), front.Port(), unix.IPPROTO_TCP}}); err != nil {
@@ -364,29 +360,4 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	if after[policy.Egress][ReasonRevoked] == before[policy.Egress][ReasonRevoked] {
 		t.Errorf("no revocation counted (egress revoked %d)", after[policy.Egress][ReasonRevoked])
 	}
-}
-
-// echoServer echoes what each connection to port in n sends.
-func echoServer(t *testing.T, n ns.NetNS, port uint16) uint16 {
-	t.Helper()
-	var ln net.Listener
-	netnsutil.Do(t, n, func() error {
-		var err error
-		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
-		return err
-	})
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
-	return port
 }

@@ -21,6 +21,7 @@
 #include "../maps.h"
 #include "../clock.h"
 #include "../calls.h"
+#include "../conntrack.h"
 
 char __license[] SEC("license") = "Dual BSD/GPL";
 
@@ -319,39 +320,6 @@ int source_then_judge(struct __sk_buff *skb)
 // tuple: the cost of a hash lookup does not depend on it), read its
 // original tuple and release it; the judge then reads that tuple from cb.
 
-// Only the fields read, relocated against the kernel's types (CO-RE).
-// One end of a tuple: CO-RE matches members by name, so the one local type
-// serves for the kernel's src (nf_conntrack_man) and its anonymous dst.
-struct nf_conntrack_man___pf {
-	union {
-		__be32 ip;
-	} u3;
-	union {
-		__be16 all;
-	} u;
-} __attribute__((preserve_access_index));
-struct nf_conntrack_tuple___pf {
-	struct nf_conntrack_man___pf src;
-	struct nf_conntrack_man___pf dst;
-} __attribute__((preserve_access_index));
-struct nf_conntrack_tuple_hash___pf {
-	struct nf_conntrack_tuple___pf tuple;
-} __attribute__((preserve_access_index));
-struct nf_conn {
-	struct nf_conntrack_tuple_hash___pf tuplehash[2];
-} __attribute__((preserve_access_index));
-
-struct bpf_ct_opts___local {
-	__s32 netns_id;
-	__s32 error;
-	__u8 l4proto;
-	__u8 dir;
-	__u8 reserved[2];
-}; // the 12 bytes 5.18 to 6.18 accept
-extern struct nf_conn *bpf_skb_ct_lookup(struct __sk_buff *, struct bpf_sock_tuple *, __u32,
-					 struct bpf_ct_opts___local *, __u32) __ksym __weak;
-extern void bpf_ct_release(struct nf_conn *) __ksym __weak;
-
 // The benchmark's conntrack entry, looked up instead of the packet's when
 // ct_fixed is set: the cost of a hash lookup does not depend on the tuple.
 volatile const __u8 ct_fixed;
@@ -384,7 +352,7 @@ static __always_inline int original_tuple(struct __sk_buff *skb)
 		t.ipv4.sport = p->dport;
 		t.ipv4.dport = p->sport;
 	}
-	struct bpf_ct_opts___local o = {.netns_id = -1, .l4proto = ip->protocol};
+	struct bpf_ct_opts___pf o = {.netns_id = CT_OPTS_CURRENT_NETNS, .l4proto = ip->protocol};
 	struct nf_conn *ct = bpf_skb_ct_lookup(skb, &t, sizeof(t.ipv4), &o, sizeof(o));
 	if (!ct)
 		return 0;

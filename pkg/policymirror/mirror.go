@@ -44,13 +44,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/podfence/podfence/pkg/atomicfile"
+	"github.com/podfence/podfence/pkg/kubeinformer"
 	"github.com/podfence/podfence/pkg/policy"
 )
 
@@ -199,33 +198,9 @@ func New(client dynamic.Interface, opts Options) (*Mirror, error) {
 	return m, nil
 }
 
-// informer is a shared informer of every object of gvr, as client-go's
-// dynamicinformer builds it. That package is not used because it imports
-// client-go/informers, and with it every typed informer, lister and client
-// of the core API: 356 of the 892 packages the sweeper's build had.
-func informer(client dynamic.Interface, gvr schema.GroupVersionResource) cache.SharedIndexInformer {
-	objects := client.Resource(gvr) // all namespaces; the cluster kind has none
-	lw := &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return objects.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return objects.Watch(ctx, o)
-		},
-	}
-	return cache.NewSharedIndexInformerWithOptions(
-		cache.ToListWatcherWithWatchListSemantics(lw, client),
-		&unstructured.Unstructured{},
-		// No resync period: the reflector's relists and the watch are
-		// the source of changes; a periodic resync would only replay the
-		// store.
-		cache.SharedIndexInformerOptions{ObjectDescription: gvr.String()},
-	)
-}
-
 // watch prepares k's informer; start runs it.
 func (m *Mirror) watch(k *kind) error {
-	inf := informer(m.client, k.gvr)
+	inf := kubeinformer.New(m.client, k.gvr)
 	kick := func(any) { m.Kick() }
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    kick,

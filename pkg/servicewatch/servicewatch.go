@@ -16,15 +16,13 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/kubeinformer"
 )
 
 var servicesGVR = schema.GroupVersionResource{Version: "v1", Resource: "services"}
@@ -54,17 +52,7 @@ func New(client dynamic.Interface, opts Options) (*Watcher, error) {
 	if opts.Settle == 0 {
 		opts.Settle = 50 * time.Millisecond
 	}
-	objects := client.Resource(servicesGVR)
-	lw := &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return objects.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return objects.Watch(ctx, o)
-		},
-	}
-	inf := cache.NewSharedIndexInformerWithOptions(cache.ToListWatcherWithWatchListSemantics(lw, client),
-		&unstructured.Unstructured{}, cache.SharedIndexInformerOptions{ObjectDescription: "services"})
+	inf := kubeinformer.New(client, servicesGVR)
 	w := &Watcher{opts: opts, informer: inf, kick: make(chan struct{}, 1), synced: make(chan struct{})}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(any) { w.Kick() },

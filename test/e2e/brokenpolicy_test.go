@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/podfence/podfence/test/netnsutil"
 )
 
 // TestBrokenPolicyDocuments: a document podfence cannot read affects only
@@ -24,7 +26,7 @@ func TestBrokenPolicyDocuments(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
 	client := c.addPod("client", "default")
 	server := c.addPod("server", "default")
-	echoServer(t, server.netns, backendPort)
+	netnsutil.Echo(t, server.netns, backendPort)
 	c.writePolicy("web", backendPolicy(client.ip, backendPort))
 	c.writePolicy("other", `apiVersion: networking.k8s.aws/v1alpha1
 kind: PolicyEndpoint
@@ -49,7 +51,7 @@ spec:
 	other := c.addPod("other", "default")
 	fqdn := c.addPod("fqdn", "default")
 	for _, p := range []*pod{web, other, client, fqdn} {
-		echoServer(t, p.netns, backendPort)
+		netnsutil.Echo(t, p.netns, backendPort)
 	}
 
 	for _, x := range []struct {

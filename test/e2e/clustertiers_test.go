@@ -187,7 +187,7 @@ func TestClusterTiers(t *testing.T) {
 	c := newCluster(t, attachModes(t)[0])
 	client, intruder, web := c.guardedWeb(t)
 	other := c.addPod("other", "default")
-	echoServer(t, other.netns, backendPort)
+	netnsutil.Echo(t, other.netns, backendPort)
 	webIdent, otherID := podid.ID(webID), podid.ID("other@default")
 	conn, err := dialFrom(client.netns, netip.AddrPortFrom(web.ip, backendPort))
 	if err != nil {
@@ -346,7 +346,7 @@ func TestClusterTiersAtAdd(t *testing.T) {
 	c.writeCluster(t, clusterDoc{name: "late", tier: "Baseline", priority: 1, pods: []*pod{late},
 		ingress: []clusterRule{{"Deny", host(client), 0}}})
 	late = c.addPod("late", "default")
-	echoServer(t, late.netns, backendPort)
+	netnsutil.Echo(t, late.netns, backendPort)
 	if c.connects(client, late, backendPort) {
 		t.Error("the client reaches a pod whose Baseline denies it from its ADD on")
 	}

@@ -162,7 +162,7 @@ func TestKubernetesPolicyLive(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	if !c.connects(client, web, backendPort) {
 		t.Fatal("the client is not let in by the policy the pod got at ADD")
 	}
@@ -239,7 +239,7 @@ func TestKubernetesPolicyAPIRestart(t *testing.T) {
 	logs := c.runKubeSweeper(t)
 	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
 	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 
 	c.api.StopAPI()
 	logs.waitFor(t, "API server unreachable", 20*time.Second)
@@ -278,7 +278,7 @@ func TestKubernetesPolicyRelist(t *testing.T) {
 		"--policy-source=kubernetes", "--kubeconfig", c.kubeconfig)
 	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
 	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	if !c.connects(client, web, backendPort) || c.connects(intruder, web, backendPort) {
 		t.Fatal("the first policy does not hold")
 	}
@@ -340,7 +340,7 @@ func TestKubernetesStrictUntilSynced(t *testing.T) {
 	logs.waitFor(t, "policy not programmed until the first sync", 10*time.Second)
 
 	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	if c.connects(client, web, backendPort) {
 		t.Fatal("a strict pod was opened by policy files not synced with the API")
 	}
@@ -407,7 +407,7 @@ func TestKubernetesPolicyNotReadable(t *testing.T) {
 	fqdn := c.addPod("fqdn", "default")
 	typo := c.addPod("typo", "default")
 	for _, p := range []*pod{client, fqdn, typo, stranger} {
-		echoServer(t, p.netns, backendPort)
+		netnsutil.Echo(t, p.netns, backendPort)
 	}
 	logs := c.runKubeSweeper(t)
 	c.waitHealthy(t)
@@ -455,7 +455,7 @@ func TestKubernetesPushedOncePerChange(t *testing.T) {
 	client := c.addPod("client", "default")
 	other := c.addPod("other", "default")
 	web := c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	logs := c.runKubeSweeper(t)
 	logs.waitFor(t, "policy directory synced with the API", 20*time.Second)
 

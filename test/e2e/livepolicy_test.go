@@ -11,6 +11,7 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/test/netnsutil"
 )
 
 // renamePolicy writes a policy file the way editors and ConfigMap updates
@@ -56,7 +57,7 @@ func (c *cluster) guardedWeb(t *testing.T) (client, intruder, web *pod) {
 	intruder = c.addPod("intruder", "default")
 	c.writePolicy("web", backendPolicy(client.ip, backendPort))
 	web = c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	return client, intruder, web
 }
 

@@ -104,7 +104,7 @@ func TestSweepNATShapes(t *testing.T) {
 			c.writePolicy("client", egressOnly("client", tcpRule(f.outside.Masked().String(), outsidePort)))
 			client := c.addPod("client", "default")
 			routeVia(t, client.netns, f.outside.Masked())
-			echoServer(t, outside, outsidePort)
+			netnsutil.Echo(t, outside, outsidePort)
 			conn, err := dialFrom(client.netns, netip.AddrPortFrom(f.outside.Addr(), outsidePort))
 			if err != nil {
 				t.Fatalf("pod to the outside: %v", err)
@@ -119,7 +119,7 @@ func TestSweepNATShapes(t *testing.T) {
 			netnsutil.AddVeth(t, c.node, outside, "out0", f.nodeOutside, f.outside)
 			c.writePolicy("web", isolatedWeb(f))
 			web := c.addPod(webReplicas[0], "default")
-			echoServer(t, web.netns, backendPort)
+			netnsutil.Echo(t, web.netns, backendPort)
 			backend := netip.AddrPortFrom(f.podAddr(web), backendPort)
 			c.nft(t, fmt.Sprintf(`table %[1]s podfence_e2e_nodeport {
 	chain prerouting {
@@ -144,7 +144,7 @@ func TestSweepNATShapes(t *testing.T) {
 		setUp: func(t *testing.T, c *cluster, f natFamily) (*echoConn, []netip.AddrPort) {
 			c.writePolicy("web", isolatedWeb(f, tcpRule(f.vip.String(), servicePort)))
 			web := c.addPod(webReplicas[0], "default")
-			echoServer(t, web.netns, backendPort)
+			netnsutil.Echo(t, web.netns, backendPort)
 			routeVia(t, web.netns, f.vip)
 			backend := netip.AddrPortFrom(f.podAddr(web), backendPort)
 			// kube-proxy masquerades hairpin traffic, or the pod would see

@@ -121,7 +121,7 @@ func TestSweepKeepsVIPConnection(t *testing.T) {
 			c.writePolicy("web", endpointDoc{name: "web", pods: []string{webReplicas[0]}, isolate: []string{"Ingress", "Egress"},
 				ingress: []docRule{tcpRule(netip.PrefixFrom(addr(client), addr(client).BitLen()).String(), backendPort)}}.String())
 			web := c.addPod(webReplicas[0], "default")
-			echoServer(t, web.netns, backendPort)
+			netnsutil.Echo(t, web.netns, backendPort)
 			backend := netip.AddrPortFrom(addr(web), backendPort)
 			table := "ip"
 			if family == "ipv6" {

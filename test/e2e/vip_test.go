@@ -138,7 +138,7 @@ func (c *cluster) vipScene(t *testing.T) (client, stranger, web *pod) {
 	stranger = c.addPod("stranger", "default")
 	c.writePolicy("web", backendPolicy(client.ip, backendPort))
 	web = c.addPod(webReplicas[0], "default")
-	echoServer(t, web.netns, backendPort)
+	netnsutil.Echo(t, web.netns, backendPort)
 	c.dnat(serviceVIP.Addr(), servicePort, web.ip, backendPort)
 	for _, p := range []*pod{client, stranger} {
 		routeVia(t, p.netns, serviceVIP)
@@ -215,39 +215,6 @@ func (c *cluster) withIdentifier(t *testing.T, id podid.ID, fn func(*bpf.Datapat
 	if err := fn(ident); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// echoServer answers every line on port with the same line.
-func echoServer(t *testing.T, n ns.NetNS, port uint16) {
-	t.Helper()
-	var ln net.Listener
-	netnsutil.Do(t, n, func() error {
-		var err error
-		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
-		return err
-	})
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer conn.Close()
-				r := bufio.NewReader(conn)
-				for {
-					line, err := r.ReadString('\n')
-					if err != nil {
-						return
-					}
-					if _, err := conn.Write([]byte(line)); err != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
 }
 
 type echoConn struct {

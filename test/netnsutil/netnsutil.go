@@ -8,6 +8,7 @@ package netnsutil
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strconv"
@@ -227,6 +228,39 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) (lastFrom func() netip.Addr)
 		defer mu.Unlock()
 		return last
 	}
+}
+
+// Echo accepts TCP connections on port in n and sends back whatever each
+// sends, until the test ends.
+func Echo(tb testing.TB, n ns.NetNS, port uint16) {
+	tb.Helper()
+	var ln net.Listener
+	Do(tb, n, func() error {
+		var err error
+		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
+		return err
+	})
+	var wg sync.WaitGroup
+	tb.Cleanup(func() {
+		ln.Close()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				io.Copy(c, c) //nolint:errcheck // ends with the connection
+			}()
+		}
+	}()
 }
 
 // Dial opens a TCP connection from n to dst and closes it again.
