@@ -1,13 +1,17 @@
 // Package bpf is podfence's datapath: the TC programs in podfence.c (one
-// ingress and one egress program, each handling IPv4 and IPv6), their
-// bpf2go output, and the loader that shares them through bpffs.
+// ingress and one egress program, each handling IPv4 and IPv6; a judge of
+// Service flows after their translation, and the uplinks' program that
+// reaches it, service.h), their bpf2go output, and the loader that shares
+// them through bpffs.
 //
 // Objects live below a pin root (default /sys/fs/bpf/podfence):
 //
 //	global/           conntrack maps (v4, v6), the node's addresses, the deny
 //	                  event ring buffer and its per-CPU rate limiter, the
-//	                  ports of fragmented datagrams, the per-CPU clock cache
-//	ids/<identifier>/ both programs, the state map (policy generation and
+//	                  ports of fragmented datagrams, the per-CPU clock cache,
+//	                  the Service frontends (services.go), the identifiers'
+//	                  judges by slot and the slots' reservations (slots.go)
+//	ids/<identifier>/ its programs, the state map (policy generation and
 //	                  isolation), per-CPU verdict counters, two sides of the
 //	                  policy (four policy tries and a tiers trie each, _1
 //	                  on side 1), the port sets their entries name, and
@@ -27,6 +31,8 @@
 //
 // Requires Linux 5.10: ring buffer (5.8), global functions with scalar
 // arguments (5.6), bpf_jiffies64 (5.6), bounded loops (5.3). Where
-// bpf_ktime_get_coarse_ns exists (5.11) conntrack timestamps use it; attaching (TCX from 6.6, clsact and
-// cls_bpf before) is package attach's job.
+// bpf_ktime_get_coarse_ns exists (5.11) conntrack timestamps use it; where
+// the conntrack kfuncs exist (5.18) Services are judged on their backends
+// (AfterNATSupported). Attaching (TCX from 6.6, clsact and cls_bpf before)
+// is package attach's job.
 package bpf

@@ -337,6 +337,10 @@ type Datapath struct {
 	// Each member's source addresses, by host veth ifindex (sources.go).
 	Sources *ebpf.Map
 
+	// noDispatch: this kernel refused the programs that dispatch stamped
+	// packets; they are loaded without.
+	noDispatch bool
+
 	// moving: members may still run an earlier build's programs
 	// (Renewal.MovePending until MembersMoved), which, before layout 4,
 	// read side 0 alone whatever the generation (policy.go).
@@ -484,7 +488,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	sameBuild := s.marker.object == objectID()
 	if len(s.renewed) == 0 && (!renew || sameBuild) {
 		reused, err := ident.openPinnedPrograms(g)
-		if err == nil && reused && ident.judgeMatches() {
+		if err == nil && reused && ident.judgeMatches(g) {
 			// Installed again on every open: the judges map may be a
 			// new one (its layout's take-over creates it empty).
 			if ident.AfterNAT != nil {
@@ -520,7 +524,17 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 		// No slot left: this identifier's Service flows are judged on
 		// the frontend, at the veth (service.h); ls reports it.
 	}
-	if err := ident.loadPrograms(g); err != nil {
+	err = ident.loadPrograms(g)
+	if err != nil && ident.Slot >= 0 {
+		// A kernel whose verifier refuses what the judge needs (tail
+		// calls beside bpf-to-bpf calls: arm64 before 6.0, no JIT) still
+		// gets the datapath, judging Services on their frontends.
+		_ = freeSlot(g.Judges, g.slotsDir(), uint32(ident.Slot), dir)
+		ident.Slot = -1
+		ident.noDispatch = true
+		err = ident.loadPrograms(g)
+	}
+	if err != nil {
 		return fail(err)
 	}
 	// The maps go before the programs: a kill in between leaves pinned
@@ -630,10 +644,16 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 	return true, nil
 }
 
-// judgeMatches reports whether the pinned programs and the marker agree on
-// the identifier's judge: programs loaded with a slot have one pinned.
-func (i *Datapath) judgeMatches() bool {
-	return (i.AfterNAT != nil) == (i.Slot >= 0)
+// judgeMatches reports whether the pinned programs are what this kernel
+// and node want of the identifier's judge: one pinned where the marker
+// records a slot, at a slot still reserved for it; none only where the
+// kernel has no conntrack kfuncs (programs loaded before nf_conntrack
+// was, say, are loaded again, with a slot).
+func (i *Datapath) judgeMatches(g *Global) bool {
+	if i.AfterNAT == nil {
+		return i.Slot < 0 && !afterNATSupported()
+	}
+	return i.Slot >= 0 && g.slotHeld(i.Slot, i.Dir)
 }
 
 func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error {
@@ -698,6 +718,11 @@ func (i *Datapath) loadPrograms(g *Global) error {
 		return err
 	}
 	names := []string{progIngress, progEgress}
+	if afterNATSupported() && !i.noDispatch {
+		if err := cs.Variables["dispatch"].Set(uint8(1)); err != nil {
+			return fmt.Errorf("set dispatch: %w", err)
+		}
+	}
 	if i.Slot >= 0 {
 		if err := cs.Variables["slot"].Set(uint32(i.Slot)); err != nil {
 			return fmt.Errorf("set slot: %w", err)

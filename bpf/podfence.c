@@ -693,7 +693,14 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	}
 	// A Service flow is judged on its backend, which the kernel's
 	// conntrack entry names: the identifier's judge does it (service.h).
-	if (after_nat && v && (v->flags & CT_SERVICE))
+	// So is a flow the pod opened to a frontend before it was isolated
+	// (allowed then without a judgement) or by an earlier build: its peer
+	// is the destination it sent to, the source of a reply.
+	if (after_nat && v &&
+	    ((v->flags & CT_SERVICE) ||
+	     ((v->flags & CT_EGRESS) && !(v->flags & CT_NODE) &&
+	      (dir == DIR_EGRESS ? is_frontend(family, &f->dst, f->dport, f->proto)
+				 : is_frontend(family, &f->src, f->sport, f->proto)))))
 		return judge_service(skb, dir, family, f, now);
 	asm volatile("" ::: "memory"); // after the generation (see above)
 	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
@@ -731,10 +738,16 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 {
 	// A packet that a pod's veth stamped, leaving by this pod's veth:
-	// the sender's judge decides its egress first, then comes back here.
-	if (after_nat && dir == DIR_INGRESS) {
+	// the sender's judge decides its egress first, then comes back here,
+	// which needs this identifier's slot; without one it cannot be
+	// judged: dropped.
+	if (dispatch && dir == DIR_INGRESS) {
 		__u32 s = stamped(skb);
 		if (s) {
+			if (!after_nat) {
+				count(DIR_INGRESS, REASON_UNTRANSLATED);
+				return VERDICT_DROP;
+			}
 			skb->cb[CB_NEXT] = 1 + 2 * slot + 1;
 			skb->cb[CB_MODE] = MODE_OUTPUT;
 			bpf_tail_call(skb, &judges, 2 * (s - 1));
@@ -808,9 +821,17 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 	__u32 veth = mode == MODE_OUTPUT ? in : here;
 
 	struct translation t;
-	if (!translated(skb, family, f, mode == MODE_VETH_FORWARD, &t))
-		return deny_at(veth, dir, f, REASON_UNTRANSLATED, now);
 	union ct_key key;
+	if (!translated(skb, family, f, mode == MODE_VETH_FORWARD, &t)) {
+		// At the veth, the kernel forgot the flow (an idle UDP flow, an
+		// endpoint's entries flushed): so does podfence, and the flow's
+		// next packet is a new one, judged as such.
+		if (mode != MODE_OUTPUT) {
+			ct_key_fill(&key, family, dir, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, veth);
+			bpf_map_delete_elem(ct_map(family), &key);
+		}
+		return deny_at(veth, dir, f, REASON_UNTRANSLATED, now);
+	}
 	ct_key_fill(&key, family, DIR_EGRESS, t.src.v6, t.dst.v6, t.sport, t.dport, f->proto, veth);
 
 	// Reported as judged: from the pod, to the backend.
@@ -844,6 +865,8 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 	struct ct_value *v = bpf_map_lookup_elem(ct_map(family), &key);
 	if (!v) // evicted meanwhile: the judgement stands
 		return allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE, now, reason);
+	if (!(v->flags & CT_SERVICE)) // opened before it was judged on its backend
+		v->flags |= CT_SERVICE;
 	return allow_tracked(dir, v, gen, dir == DIR_EGRESS ? REASON_CT_ESTABLISHED : REASON_CT_REPLY, now);
 }
 

@@ -207,6 +207,7 @@ const (
 	podfenceVarAfterNat        = "after_nat"
 	podfenceVarCoarseClock     = "coarse_clock"
 	podfenceVarDenyEventType   = "deny_event_type"
+	podfenceVarDispatch        = "dispatch"
 	podfenceVarSlot            = "slot"
 )
 
@@ -294,6 +295,7 @@ type podfenceVariableSpecs struct {
 	AfterNat      *ebpf.VariableSpec `ebpf:"after_nat"`
 	CoarseClock   *ebpf.VariableSpec `ebpf:"coarse_clock"`
 	DenyEventType *ebpf.VariableSpec `ebpf:"deny_event_type"`
+	Dispatch      *ebpf.VariableSpec `ebpf:"dispatch"`
 	Slot          *ebpf.VariableSpec `ebpf:"slot"`
 }
 
@@ -377,6 +379,7 @@ type podfenceVariables struct {
 	AfterNat      *ebpf.Variable `ebpf:"after_nat"`
 	CoarseClock   *ebpf.Variable `ebpf:"coarse_clock"`
 	DenyEventType *ebpf.Variable `ebpf:"deny_event_type"`
+	Dispatch      *ebpf.Variable `ebpf:"dispatch"`
 	Slot          *ebpf.Variable `ebpf:"slot"`
 }
 

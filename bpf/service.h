@@ -60,9 +60,13 @@ struct {
 } judges SEC(".maps");
 
 // Set by the loader: the identifier's slot, and whether its judge is
-// installed (the kernel has the conntrack kfuncs).
+// installed there (after_nat: the kernel has the conntrack kfuncs and the
+// identifier a slot); dispatch, whether its ingress program hands stamped
+// packets to their senders' judges (the kernel has the kfuncs, so other
+// identifiers' veths may stamp, whether this one has a slot or not).
 volatile const __u32 slot = 0;
 volatile const __u8 after_nat = 0;
+volatile const __u8 dispatch = 0;
 
 // What a tail call into pod_after_nat passes in skb->cb, which survives it.
 #define CB_NEXT 0 // 1 + the judges index to go on to once allowed; 0: none
@@ -97,18 +101,25 @@ static __always_inline void unstamp(struct __sk_buff *skb)
 	*mark &= ~SLOT_MASK;
 }
 
-// is_service reports whether dst:dport/proto is a frontend of the services map.
-static __always_inline int is_service(const int family, const struct flow *f)
+// is_frontend reports whether addr:port/proto (addr in network order, 4
+// or 16 bytes) is a frontend of the services map.
+static __always_inline int is_frontend(const int family, const union ip_addr *addr, __u16 port, __u8 proto)
 {
-	struct service_key k = {.port = f->dport, .proto = f->proto};
+	struct service_key k = {.port = port, .proto = proto};
 	if (family == 4) {
 		k.addr[10] = 0xff;
 		k.addr[11] = 0xff;
-		__builtin_memcpy(&k.addr[12], &f->dst.v4, 4);
+		__builtin_memcpy(&k.addr[12], &addr->v4, 4);
 	} else {
-		__builtin_memcpy(k.addr, f->dst.v6, 16);
+		__builtin_memcpy(k.addr, addr->v6, 16);
 	}
 	return bpf_map_lookup_elem(&services, &k) != 0;
+}
+
+// is_service reports whether the packet f goes to a frontend.
+static __always_inline int is_service(const int family, const struct flow *f)
+{
+	return is_frontend(family, &f->dst, f->dport, f->proto);
 }
 
 // A Service flow as the kernel's conntrack entry has it: what the pod sent

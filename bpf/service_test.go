@@ -271,10 +271,11 @@ func serviceJudgedOnBackend(t *testing.T, a serviceAddrs) {
 	}
 }
 
-// TestServiceFlowTrackedAndRevoked: an admitted Service flow is tracked
-// under the tuple the client's veth sees (the ClusterIP), so its later
-// packets and replies pass as established; a policy change that no longer
-// allows its backend cuts it, judged again on the backend.
+// TestServiceFlowTrackedAndRevoked: a Service flow opened before the pod
+// was isolated is judged on its backend once it is, and kept; it is
+// tracked under the tuple the client's veth sees (the ClusterIP), so its
+// later packets and replies pass as established; a policy change that no
+// longer allows its backend cuts it, judged again on the backend.
 func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	requireAfterNAT(t)
 	s := newServiceNode(t, serviceV4, false)
@@ -291,9 +292,6 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	isolated := func(s policy.Set) policy.Set {
 		s.Ingress.Isolated = true
 		return s
-	}
-	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(echo))))); err != nil {
-		t.Fatal(err)
 	}
 	var c net.Conn
 	netnsutil.Do(t, s.client, func() error {
@@ -312,6 +310,15 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 		b := make([]byte, 1)
 		_, err := io.ReadFull(c, b)
 		return err
+	}
+	// Opened while the client is not isolated: tracked at the veth with
+	// no judgement. Isolated by a policy that allows the backend (and not
+	// the ClusterIP), the flow is judged on the backend and kept.
+	if err := roundTrip(); err != nil {
+		t.Fatalf("round trip before any policy: %v", err)
+	}
+	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(echo))))); err != nil {
+		t.Fatal(err)
 	}
 	for range 3 {
 		if err := roundTrip(); err != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
+	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/pinpath"
 )
@@ -28,20 +29,44 @@ var ErrNoSlot = errors.New("no free identifier slot")
 // bpf_skb_ct_lookup and bpf_ct_release (Linux 5.18), in the kernel's BTF or
 // nf_conntrack's. Where nf_conntrack is a module that is not loaded yet the
 // answer is no until it is: kube-proxy loads it before a node runs pods.
-// The answer is read once per process.
+// A yes is kept for the process; a no is asked again (a long-running
+// sweeper sees nf_conntrack load), without reading BTF on kernels before
+// 5.18.
 func AfterNATSupported() bool { return afterNATSupported() }
 
-var afterNATSupported = sync.OnceValue(func() bool {
+var (
+	afterNATMu  sync.Mutex
+	afterNATYes bool
+)
+
+func afterNATSupported() bool {
+	afterNATMu.Lock()
+	defer afterNATMu.Unlock()
+	if !afterNATYes {
+		afterNATYes = probeAfterNAT()
+	}
+	return afterNATYes
+}
+
+func probeAfterNAT() bool {
+	var u unix.Utsname
+	if unix.Uname(&u) == nil {
+		var major, minor int
+		if _, err := fmt.Sscanf(unix.ByteSliceToString(u.Release[:]), "%d.%d", &major, &minor); err == nil &&
+			(major < 5 || major == 5 && minor < 18) {
+			return false
+		}
+	}
 	has := func(s *btf.Spec) bool {
 		var fn *btf.Func
 		return s.TypeByName("bpf_skb_ct_lookup", &fn) == nil
 	}
-	if s, err := btf.LoadKernelSpec(); err == nil && has(s) {
+	if s, err := btf.LoadKernelModuleSpec("nf_conntrack"); err == nil && has(s) {
 		return true
 	}
-	s, err := btf.LoadKernelModuleSpec("nf_conntrack")
+	s, err := btf.LoadKernelSpec()
 	return err == nil && has(s)
-})
+}
 
 // ServiceJudgement says, for STATUS and the logs, how this kernel judges a
 // pod's flows to Services.
@@ -50,6 +75,13 @@ func ServiceJudgement() string {
 		return "Services judged on their backends, after the translation"
 	}
 	return "Services judged on their frontends: the kernel has no conntrack kfuncs (Linux 5.18, nf_conntrack loaded)"
+}
+
+// slotHeld reports whether the reservation of slot names the identifier
+// directory dir.
+func (g *Global) slotHeld(slot int, dir string) bool {
+	owner, err := os.Readlink(filepath.Join(g.slotsDir(), strconv.Itoa(slot)))
+	return err == nil && owner == dir
 }
 
 // slotsDir is where the global directory keeps the slot reservations.

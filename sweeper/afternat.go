@@ -12,7 +12,6 @@ import (
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
 	"github.com/podfence/podfence/pkg/nodeaddr"
-	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/servicewatch"
 	"github.com/podfence/podfence/pkg/uplink"
@@ -25,11 +24,11 @@ import (
 // that are gone.
 
 // newUplinks loads the uplinks' judge, or returns nil where the kernel
-// cannot judge after the translation (no conntrack kfuncs): Services are
-// then judged on their frontend at the pods' veths, which ls reports.
-func newUplinks(root *pinroot.Root, pinRoot string, log *slog.Logger) (*uplink.Hooks, error) {
+// cannot judge after the translation (no conntrack kfuncs, or nf_conntrack
+// not loaded yet: syncUplinks asks again at every pass): Services are then
+// judged on their frontend at the pods' veths, which ls reports.
+func newUplinks(root *pinroot.Root, dir string) (*uplink.Hooks, error) {
 	if !bpf.AfterNATSupported() {
-		log.Warn("this kernel has no conntrack kfuncs (Linux 5.18, nf_conntrack loaded): a pod's flows to Services are judged on the Service's address, not its backend's")
 		return nil, nil
 	}
 	g, err := root.Global()
@@ -40,13 +39,28 @@ func newUplinks(root *pinroot.Root, pinRoot string, log *slog.Logger) (*uplink.H
 	if err != nil {
 		return nil, err
 	}
-	return &uplink.Hooks{Dir: pinpath.Root(pinRoot).Uplinks(), Program: p, Mode: attach.ModeAuto}, nil
+	return &uplink.Hooks{Dir: dir, Program: p, Mode: attach.ModeAuto}, nil
 }
 
 // syncUplinks hooks the judge on every uplink, as they come and go.
 func (r *runner) syncUplinks() {
+	if r.uplinksDir == "" {
+		return // --judge-uplinks=false
+	}
 	if r.uplinks == nil {
-		return
+		var err error
+		if r.uplinks, err = newUplinks(r.pins, r.uplinksDir); err != nil {
+			r.log.Error("load the uplinks' judge of Service flows; the next pass tries again", "error", err)
+			return
+		}
+		if r.uplinks == nil {
+			if !r.uplinksWarned {
+				r.uplinksWarned = true
+				r.log.Warn("this kernel has no conntrack kfuncs (Linux 5.18, nf_conntrack loaded): a pod's flows to Services are judged on the Service's address, not its backend's; asked again at every pass")
+			}
+			return
+		}
+		r.log.Info("judging Services on their backends: the uplinks' judge is loaded")
 	}
 	rep, err := r.uplinks.Sync()
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/pkg/policymirror"
@@ -138,9 +139,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 		}
 	}
 	if *judgeUplinks {
-		if r.uplinks, err = newUplinks(root, c.pinRoot, log); err != nil {
-			return err
-		}
+		r.uplinksDir = pinpath.Root(c.pinRoot).Uplinks()
 	}
 	if *source == sourceKubernetes {
 		cfg, err := apiConfig(*kubeconfig)
@@ -173,18 +172,21 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 
 // runner is the DaemonSet loop's state.
 type runner struct {
-	s         *sweep.Sweeper
-	pins      *pinroot.Root
-	m         *metrics
-	log       *slog.Logger
-	policyDir string
-	mirror    *policymirror.Mirror  // nil with --policy-source=files
-	chain     *chainKeeper          // nil without --keep-chained
-	adopt     *adopter              // nil without --adopt
-	services  *servicewatch.Watcher // nil with --policy-source=files
-	uplinks   *uplink.Hooks         // nil with --judge-uplinks=false, or no kfuncs
-	// uplinksHooked is how many interfaces the last syncUplinks hooked.
+	s          *sweep.Sweeper
+	pins       *pinroot.Root
+	m          *metrics
+	log        *slog.Logger
+	policyDir  string
+	mirror     *policymirror.Mirror  // nil with --policy-source=files
+	chain      *chainKeeper          // nil without --keep-chained
+	adopt      *adopter              // nil without --adopt
+	services   *servicewatch.Watcher // nil with --policy-source=files
+	uplinks    *uplink.Hooks         // nil with --judge-uplinks=false, or no kfuncs
+	uplinksDir string                // where the uplinks' link pins go; empty: --judge-uplinks=false
+	// uplinksHooked is how many interfaces the last syncUplinks hooked;
+	// uplinksWarned, that the kernel cannot judge after the translation.
 	uplinksHooked int
+	uplinksWarned bool
 	// problems and keepErr are what the last policy load reported, logged
 	// again only when they change.
 	problems []string
@@ -331,7 +333,7 @@ func (r *runner) loop(ctx context.Context) error {
 		}()
 	}
 	var links chan struct{}
-	if r.uplinks != nil {
+	if r.uplinksDir != "" {
 		links = make(chan struct{}, 1)
 		wg.Add(1)
 		go func() {

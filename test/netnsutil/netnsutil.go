@@ -231,7 +231,9 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) (lastFrom func() netip.Addr)
 }
 
 // Echo accepts TCP connections on port in n and sends back whatever each
-// sends, until the test ends.
+// sends, until the test ends, which closes the listener and every
+// connection still open (a peer whose packets are dropped never closes its
+// own).
 func Echo(tb testing.TB, n ns.NetNS, port uint16) {
 	tb.Helper()
 	var ln net.Listener
@@ -240,9 +242,20 @@ func Echo(tb testing.TB, n ns.NetNS, port uint16) {
 		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
 		return err
 	})
-	var wg sync.WaitGroup
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		conns  = map[net.Conn]bool{}
+		closed bool
+	)
 	tb.Cleanup(func() {
 		ln.Close()
+		mu.Lock()
+		closed = true
+		for c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
 		wg.Wait()
 	})
 	wg.Add(1)
@@ -253,11 +266,22 @@ func Echo(tb testing.TB, n ns.NetNS, port uint16) {
 			if err != nil {
 				return
 			}
+			mu.Lock()
+			if closed {
+				mu.Unlock()
+				c.Close()
+				return
+			}
+			conns[c] = true
+			mu.Unlock()
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				defer c.Close()
 				io.Copy(c, c) //nolint:errcheck // ends with the connection
+				mu.Lock()
+				delete(conns, c)
+				mu.Unlock()
+				c.Close()
 			}()
 		}
 	}()

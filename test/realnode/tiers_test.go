@@ -296,8 +296,7 @@ func (s *tierScene) dnsPod() string {
 }
 
 // lookupErr resolves the API's Service name from app's pod, over UDP to the
-// DNS pod at addr directly (the Service's ClusterIP would be judged before
-// DNAT: README, "Cluster-wide tiers").
+// DNS pod at addr directly, the peer the rules under test name.
 func (s *tierScene) lookupErr(app, addr string) error {
 	r := &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
 		return s.n.DialFromPod(ctx, string(s.pods[app].UID), "udp", net.JoinHostPort(addr, "53"))
