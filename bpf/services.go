@@ -111,3 +111,15 @@ func (g *Global) ListServices() ([]Frontend, error) {
 	}
 	return out, nil
 }
+
+// IsFrontend reports whether f is in the node's services map: a new
+// egress flow to it is judged on its backend, where the identifier has a
+// slot.
+func (g *Global) IsFrontend(f Frontend) (bool, error) {
+	var v uint8
+	err := g.Services.Lookup(f.key(), &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false, nil
+	}
+	return err == nil, err
+}

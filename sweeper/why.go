@@ -32,6 +32,11 @@ type whyResult struct {
 	// policy directory's cluster/.
 	Tier   *tierRef `json:"tier,omitempty"`
 	Passed *tierRef `json:"passed,omitempty"`
+	// ServiceFrontend: the destination is a Service frontend of the node's
+	// services map, and the identifier judges Services on their backends:
+	// a new flow to it is judged on the backend kube-proxy picks, not as
+	// the verdict above says of the frontend itself.
+	ServiceFrontend bool `json:"service_frontend,omitempty"`
 
 	reason bpf.Reason
 	own    []string // the member's addresses
@@ -127,6 +132,11 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 	if ret != bpf.VerdictAllow {
 		res.Verdict = "deny"
 	}
+	if q.dir == policy.Egress && ident.Slot >= 0 {
+		if g, err := root.Global(); err == nil {
+			res.ServiceFrontend, _ = g.IsFrontend(bpf.Frontend{Addr: q.peer, Port: q.port, Proto: q.proto})
+		}
+	}
 	if c.json {
 		return writeJSON(stdout, res)
 	}
@@ -173,6 +183,9 @@ func printWhy(w io.Writer, r whyResult) {
 	}
 	for _, p := range e.NotAsWritten {
 		fmt.Fprintf(w, "  not enforced as written: %s\n", p)
+	}
+	if r.ServiceFrontend {
+		fmt.Fprintf(w, "  %s is a Service frontend: a new flow to it is judged on the backend kube-proxy translates it to, not as above; ask why --to <backend>\n", r.Dst)
 	}
 }
 

@@ -322,6 +322,18 @@ func TestClusterEgressThroughService(t *testing.T) {
 		if n := c.counters(t, "client@default")[policy.Egress][bpf.ReasonAdminDeny]; n == 0 {
 			t.Error("the Service's connections were refused without counting admin-deny")
 		}
+		// why says that the ClusterIP is judged on its backend.
+		out, err := c.sweeper(t, "why", "--json", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir,
+			"--pod", client.name+".default", "--to", vip.Addr().String(), fmt.Sprintf("%d/tcp", vip.Port()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var w struct {
+			ServiceFrontend bool `json:"service_frontend"`
+		}
+		if err := json.Unmarshal(out, &w); err != nil || !w.ServiceFrontend {
+			t.Errorf("why --to %s: %s (%v), want service_frontend", vip, out, err)
+		}
 		c.setServices(t)
 	}
 
