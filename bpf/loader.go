@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -529,6 +530,8 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 		// A kernel whose verifier refuses what the judge needs (tail
 		// calls beside bpf-to-bpf calls: arm64 before 6.0, no JIT) still
 		// gets the datapath, judging Services on their frontends.
+		refused := err
+		judgeRefused.Store(&refused)
 		_ = freeSlot(g.Judges, g.slotsDir(), uint32(ident.Slot), dir)
 		ident.Slot = -1
 		ident.noDispatch = true
@@ -642,6 +645,20 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 	}
 	i.AfterNAT = judge
 	return true, nil
+}
+
+// judgeRefused is the last error of a load with the judge that this
+// kernel refused (the datapath was loaded without it), for the logs and
+// the tests.
+var judgeRefused atomic.Pointer[error]
+
+// JudgeRefused is the error of the last load of the judge this kernel
+// refused in this process, nil if none.
+func JudgeRefused() error {
+	if e := judgeRefused.Load(); e != nil {
+		return *e
+	}
+	return nil
 }
 
 // judgeMatches reports whether the pinned programs are what this kernel

@@ -153,7 +153,11 @@ static __always_inline void read_addr(union ip_addr *to, const struct nf_conntra
 static __always_inline int translated(struct __sk_buff *skb, const int family, const struct flow *f,
 				      int forward, struct translation *t)
 {
-	if (!bpf_skb_ct_lookup) // weak: 0 where the kernel has no such kfunc
+	// The loader sets after_nat only where the kfuncs exist, and the
+	// verifier drops what follows elsewhere (the calls, weak, are
+	// poisoned there). Not a test of the kfunc's address: an ld_imm64 of
+	// a kfunc is refused before 6.3 ("uses reserved fields" on 6.1).
+	if (!after_nat)
 		return 0;
 	if (f->proto != IPPROTO_TCP && f->proto != IPPROTO_UDP)
 		return 0;

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/podfence/podfence/pkg/podid"
+	"github.com/podfence/podfence/test/kernel"
 )
 
 // TestSlots: each identifier gets a slot of its own, recorded in its
@@ -82,5 +83,24 @@ func TestSlots(t *testing.T) {
 	}
 	if n, err := g.SweepSlots(); err != nil || n != 0 {
 		t.Errorf("a second sweep freed %d (%v)", n, err)
+	}
+}
+
+// TestJudgeLoads: where the kernel has the conntrack kfuncs, an
+// identifier's programs load with its judge and a slot, and a second open
+// reuses them (no nftables needed: the kernel guests run it).
+func TestJudgeLoads(t *testing.T) {
+	kernel.RequireRoot(t)
+	if !AfterNATSupported() {
+		t.Skip("no conntrack kfuncs here")
+	}
+	root, g := openGlobal(t)
+	d, err := OpenIdentifier(g, identDir(root, "a@default"), "a@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if d.AfterNAT == nil || d.Slot < 0 {
+		t.Fatalf("no judge (slot %d): %v", d.Slot, JudgeRefused())
 	}
 }
