@@ -28,17 +28,15 @@ import (
 // web), and an uplink to a peer namespace standing for another node, with
 // a backend there.
 type serviceNode struct {
-	g               *Global
-	cli, web        *Datapath
-	node, client    ns.NetNS
-	back, remote    ns.NetNS
-	clientVeth      netnsutil.Veth
-	local, far      netip.AddrPort // the backends
-	clusterIP       netip.AddrPort // -> local
-	farIP           netip.AddrPort // -> far, through the uplink
-	nodePort        netip.AddrPort // a node address -> local
-	clientAddr      netip.Addr
-	nodeAddrOnLocal netip.Addr // the node's end of the backend's veth (what a masquerade gives)
+	g            *Global
+	cli, web     *Datapath
+	node, client ns.NetNS
+	back, remote ns.NetNS
+	clientVeth   netnsutil.Veth
+	local, far   netip.AddrPort // the backends
+	clusterIP    netip.AddrPort // -> local
+	farIP        netip.AddrPort // -> far, through the uplink
+	nodePort     netip.AddrPort // a node address -> local
 }
 
 // serviceAddrs are a serviceNode's addresses in one family.
@@ -90,7 +88,7 @@ func newServiceNode(t *testing.T, a serviceAddrs, masquerade bool) *serviceNode 
 	t.Helper()
 	root, g := openGlobal(t)
 	s := &serviceNode{g: g, local: a.local, far: a.far, clusterIP: a.clusterIP, farIP: a.farIP,
-		nodePort: a.nodePort(), clientAddr: a.client.Addr(), nodeAddrOnLocal: a.backNet.Addr()}
+		nodePort: a.nodePort()}
 	for _, p := range []struct {
 		d  **Datapath
 		id podid.ID

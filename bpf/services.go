@@ -99,19 +99,6 @@ func (g *Global) SetServices(want []Frontend) (added, removed int, err error) {
 	return added, removed, nil
 }
 
-// ListServices lists the frontends the node's services map holds.
-func (g *Global) ListServices() ([]Frontend, error) {
-	have, err := readEntries[podfenceServiceKey, uint8](g.Services)
-	if err != nil {
-		return nil, fmt.Errorf("list services: %w", err)
-	}
-	out := make([]Frontend, 0, len(have))
-	for k := range have {
-		out = append(out, frontendOf(k))
-	}
-	return out, nil
-}
-
 // IsFrontend reports whether f is in the node's services map: a new
 // egress flow to it is judged on its backend, where the identifier has a
 // slot.

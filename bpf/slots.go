@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/ebpf/btf"
 	"golang.org/x/sys/unix"
 
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/pinpath"
 )
 
@@ -120,12 +121,26 @@ func (g *Global) reserveSlot(dir string, want uint32, wanted bool) (uint32, erro
 
 // installJudge puts the identifier's judge and ingress program at its
 // slot in the judges map, where tail calls find them.
+// An entry that holds its program already is left alone: a reused open
+// (every ADD) reads two entries instead of writing them, which would make
+// the kernel patch every program's direct tail calls into the slot.
 func (g *Global) installJudge(slot uint32, judge, ingress *ebpf.Program) error {
-	if err := g.Judges.Put(2*slot, judge); err != nil {
-		return fmt.Errorf("install judge of slot %d: %w", slot, err)
-	}
-	if err := g.Judges.Put(2*slot+1, ingress); err != nil {
-		return fmt.Errorf("install ingress program of slot %d: %w", slot, err)
+	for _, e := range []struct {
+		key  uint32
+		prog *ebpf.Program
+		what string
+	}{{2 * slot, judge, "judge"}, {2*slot + 1, ingress, "ingress program"}} {
+		want, err := objinfo.ProgramID(e.prog)
+		if err != nil {
+			return fmt.Errorf("install %s of slot %d: %w", e.what, slot, err)
+		}
+		var have uint32
+		if g.Judges.Lookup(e.key, &have) == nil && ebpf.ProgramID(have) == want {
+			continue
+		}
+		if err := g.Judges.Put(e.key, e.prog); err != nil {
+			return fmt.Errorf("install %s of slot %d: %w", e.what, slot, err)
+		}
 	}
 	return nil
 }

@@ -194,12 +194,7 @@ func (p *Pair) DeleteHostVeth(tb testing.TB) {
 // accepted (what a SNAT made of it), the zero Addr before the first.
 func Listen(tb testing.TB, n ns.NetNS, port uint16) (lastFrom func() netip.Addr) {
 	tb.Helper()
-	var ln net.Listener
-	Do(tb, n, func() error {
-		var err error
-		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
-		return err
-	})
+	ln := listenIn(tb, n, port)
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
@@ -230,11 +225,8 @@ func Listen(tb testing.TB, n ns.NetNS, port uint16) (lastFrom func() netip.Addr)
 	}
 }
 
-// Echo accepts TCP connections on port in n and sends back whatever each
-// sends, until the test ends, which closes the listener and every
-// connection still open (a peer whose packets are dropped never closes its
-// own).
-func Echo(tb testing.TB, n ns.NetNS, port uint16) {
+// listenIn listens for TCP on port (all addresses) in n.
+func listenIn(tb testing.TB, n ns.NetNS, port uint16) net.Listener {
 	tb.Helper()
 	var ln net.Listener
 	Do(tb, n, func() error {
@@ -242,6 +234,16 @@ func Echo(tb testing.TB, n ns.NetNS, port uint16) {
 		ln, err = net.Listen("tcp", ":"+strconv.Itoa(int(port)))
 		return err
 	})
+	return ln
+}
+
+// Echo accepts TCP connections on port in n and sends back whatever each
+// sends, until the test ends, which closes the listener and every
+// connection still open (a peer whose packets are dropped never closes its
+// own).
+func Echo(tb testing.TB, n ns.NetNS, port uint16) {
+	tb.Helper()
+	ln := listenIn(tb, n, port)
 	var (
 		wg     sync.WaitGroup
 		mu     sync.Mutex
