@@ -623,10 +623,10 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 // identifier's judge, which judges it on its backend at the veth. Without
 // a judge in the slot it cannot be judged: dropped.
 static __always_inline int judge_service(struct __sk_buff *skb, const int dir, const int family,
-					 struct flow *f, __u64 now)
+					 struct flow *f, __u32 mode, __u64 now)
 {
 	skb->cb[CB_NEXT] = 0;
-	skb->cb[CB_MODE] = dir == DIR_EGRESS ? MODE_VETH_FORWARD : MODE_VETH_REPLY;
+	skb->cb[CB_MODE] = mode;
 	bpf_tail_call(skb, &judges, 2 * slot);
 	return deny(skb, dir, f, REASON_UNTRANSLATED, now);
 }
@@ -698,12 +698,21 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	// is the destination it sent to, the source of a reply.
 	if (after_nat && v &&
 	    ((v->flags & CT_SERVICE) ||
-	     ((v->flags & CT_EGRESS) && !(v->flags & CT_NODE) &&
+	     ((v->flags & CT_EGRESS) && !(v->flags & (CT_NODE | CT_DIRECT)) &&
 	      (dir == DIR_EGRESS ? is_frontend(family, &f->dst, f->dport, f->proto)
 				 : is_frontend(family, &f->src, f->sport, f->proto)))))
-		return judge_service(skb, dir, family, f, now);
+		return judge_service(skb, dir, family, f, dir == DIR_EGRESS ? MODE_VETH_FORWARD : MODE_VETH_REPLY,
+				     now);
 	asm volatile("" ::: "memory"); // after the generation (see above)
 	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
+	// A reply from a frontend to a flow nothing tracked: the veth stamped
+	// it, and it was delivered to a socket of the node (a host-network
+	// backend, the node itself), where no TC egress runs to judge it. The
+	// pod sees no reply until its judge has judged the flow on the backend
+	// and tracked it.
+	if (dir == DIR_INGRESS && !v && after_nat && (enforced & (ENFORCE_ANY << DIR_EGRESS)) && !f->opens &&
+	    !f->is_icmp_error && !f->frag && is_frontend(family, &f->src, f->sport, f->proto))
+		return judge_service(skb, dir, family, f, MODE_VETH_FIRST, now);
 	if (!v && !(enforced & (ENFORCE_ANY << dir)))
 		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
 	// A new flow to a Service frontend leaves with the slot in its mark,
@@ -812,7 +821,7 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 	__u32 gen = *(volatile __u32 *)&st->generation;
 	__u32 side = gen & 1;
 	__u64 now = now_ns();
-	const int dir = mode == MODE_VETH_REPLY ? DIR_INGRESS : DIR_EGRESS;
+	const int dir = mode == MODE_VETH_REPLY || mode == MODE_VETH_FIRST ? DIR_INGRESS : DIR_EGRESS;
 	// At the device it leaves by, the packet came in by the pod's veth.
 	// Both loaded before the choice: the verifier refuses a load through
 	// a context pointer the compiler selected.
@@ -822,7 +831,22 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 
 	struct translation t;
 	union ct_key key;
-	if (!translated(skb, family, f, mode == MODE_VETH_FORWARD, &t)) {
+	__u8 flags = CT_SERVICE;
+	if (translated(skb, family, f, mode == MODE_VETH_FORWARD, &t)) {
+		// judged on the backend below
+	} else if (mode == MODE_VETH_FIRST) {
+		// The kernel did not translate it (a socket bound to the
+		// frontend itself behind a notrack rule, as node-local DNS
+		// answers on the cluster DNS's ClusterIP): judged on its
+		// destination, as anything no Service translates.
+		t.src = f->dst;
+		t.dst = f->src;
+		t.backend = f->src;
+		t.sport = f->dport;
+		t.dport = f->sport;
+		t.backend_port = f->sport;
+		flags = CT_DIRECT;
+	} else {
 		// At the veth, the kernel forgot the flow (an idle UDP flow, an
 		// endpoint's entries flushed): so does podfence, and the flow's
 		// next packet is a new one, judged as such.
@@ -848,11 +872,14 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 		reason = judge(DIR_EGRESS, family, side, enforced, t.backend.v6, f->proto, t.backend_port);
 	if (reason_denies(reason)) {
 		bpf_map_delete_elem(ct_map(family), &key);
-		return deny_at(veth, dir, &judged, mode == MODE_OUTPUT ? reason : REASON_REVOKED, now);
+		return deny_at(veth, dir, &judged,
+			       mode == MODE_OUTPUT || mode == MODE_VETH_FIRST ? reason : REASON_REVOKED, now);
 	}
+	__u8 node = reason == REASON_NODE ? CT_NODE : 0;
+	if (mode == MODE_VETH_FIRST)
+		return allow_new(DIR_EGRESS, family, &key, gen, flags | node, now, reason);
 	if (mode == MODE_OUTPUT) {
-		allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE | (reason == REASON_NODE ? CT_NODE : 0), now,
-			  reason);
+		allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE | node, now, reason);
 		__u32 next = skb->cb[CB_NEXT];
 		if (!next)
 			return VERDICT_ALLOW; // an uplink

@@ -80,6 +80,9 @@ enum judge_mode {
 	// in the direction the pod opened it, or a reply.
 	MODE_VETH_FORWARD = 1,
 	MODE_VETH_REPLY = 2,
+	// At the pod's veth, the first reply to a new flow that no judge saw:
+	// delivered to a socket of the node, it met no TC egress.
+	MODE_VETH_FIRST = 3,
 };
 
 static __always_inline void stamp(struct __sk_buff *skb)

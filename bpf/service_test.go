@@ -366,3 +366,126 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 		t.Errorf("no revocation counted (egress revoked %d)", after[policy.Egress][ReasonRevoked])
 	}
 }
+
+// TestServiceDeliveredOnNode: a Service whose backend is a socket of the
+// node (a host-network pod, the node itself) is delivered without meeting
+// a TC egress; its flow is judged on the backend at the first reply, before
+// the client sees it, and tracked so that the rest of the flow passes. A
+// frontend the kernel does not translate (a socket bound to the ClusterIP
+// behind a notrack rule, as node-local DNS does) is judged on itself. The
+// client is ingress-isolated too, so that an untracked reply would be
+// refused as a new flow.
+func TestServiceDeliveredOnNode(t *testing.T) {
+	requireAfterNAT(t)
+	for _, a := range []serviceAddrs{serviceV4, serviceV6} {
+		t.Run(a.nft, func(t *testing.T) { serviceDeliveredOnNode(t, a) })
+	}
+}
+
+func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
+	s := newServiceNode(t, a, false)
+	const hostPort, bound = 8081, 8053
+	// On the node: a backend on its uplink address, and a socket bound to
+	// a frontend of its own.
+	onNode := netip.AddrPortFrom(a.uplink.Addr(), hostPort)
+	toNode := netip.AddrPortFrom(a.farIP.Addr().Next(), 80)
+	direct := netip.AddrPortFrom(toNode.Addr().Next(), bound)
+	nsRun(t, s.node, "", "ip", "addr", "add", netip.PrefixFrom(direct.Addr(), direct.Addr().BitLen()).String(), "dev", "lo")
+	nsRun(t, s.node, "add rule "+a.nft+" kp pre "+a.match+" daddr "+toNode.Addr().String()+" tcp dport 80 dnat to "+onNode.String()+"\n"+
+		"add table "+a.nft+" raw\n"+
+		"add chain "+a.nft+" raw pre { type filter hook prerouting priority -300; }\n"+
+		"add chain "+a.nft+" raw out { type filter hook output priority -300; }\n"+
+		"add rule "+a.nft+" raw pre "+a.match+" daddr "+direct.Addr().String()+" notrack\n"+
+		"add rule "+a.nft+" raw out "+a.match+" saddr "+direct.Addr().String()+" notrack\n", "nft", "-f", "-")
+	netnsutil.Echo(t, s.node, hostPort)
+	netnsutil.Echo(t, s.node, bound)
+	if _, _, err := s.g.SetServices([]Frontend{
+		{a.clusterIP.Addr(), a.clusterIP.Port(), unix.IPPROTO_TCP},
+		{toNode.Addr(), toNode.Port(), unix.IPPROTO_TCP},
+		{direct.Addr(), direct.Port(), unix.IPPROTO_TCP},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for _, dst := range []netip.AddrPort{onNode, toNode, direct} {
+		if !netnsutil.Connects(t, s.client, dst, time.Second, 3) {
+			t.Fatalf("%s does not connect with no policy", dst)
+		}
+	}
+	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
+	isolated := func(r ...policy.Rule) policy.Set {
+		s := egressOnly(r...)
+		s.Ingress.Isolated = true
+		return s
+	}
+	cases := []struct {
+		name          string
+		set           policy.Set
+		node, bounded bool // through toNode, to direct
+	}{
+		{"an ipBlock naming the node's backend admits its Service", isolated(rule(host(onNode), tcpPort(hostPort))), true, false},
+		{"an except of the node's backend refuses its Service", isolated(except(rule(a.anyPrefix), host(onNode))), false, true},
+		{"a rule for the frontends alone admits only the untranslated one",
+			isolated(rule(host(toNode), tcpPort(80)), rule(host(direct), tcpPort(bound))), false, true},
+	}
+	for _, c := range cases {
+		if err := s.cli.ApplyPolicy(c.set); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		for _, p := range []struct {
+			what string
+			dst  netip.AddrPort
+			want bool
+		}{
+			{"the node's backend", onNode, c.node},
+			{"its ClusterIP", toNode, c.node},
+			{"the frontend bound on the node", direct, c.bounded},
+		} {
+			got := roundTrips(t, s.client, p.dst, p.want)
+			if got != p.want {
+				t.Errorf("%s: %s (%s) carries data %v, want %v", c.name, p.what, p.dst, got, p.want)
+			}
+		}
+	}
+	c, err := s.cli.ReadCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c[policy.Egress][ReasonCTEstablished] == 0 || c[policy.Ingress][ReasonCTReply] == 0 {
+		t.Errorf("counters %v: the flows' later packets did not pass as established and replies", c)
+	}
+}
+
+// roundTrips tells whether a connection from n to dst carries a byte there
+// and back (an echo server), trying harder when it should than when not.
+func roundTrips(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
+	t.Helper()
+	timeout, attempts := 300*time.Millisecond, 1
+	if want {
+		timeout, attempts = time.Second, 3
+	}
+	for range attempts {
+		err := n.Do(func(ns.NetNS) error {
+			c, err := net.DialTimeout("tcp", dst.String(), timeout)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := c.SetDeadline(time.Now().Add(timeout)); err != nil {
+				return err
+			}
+			if _, err := c.Write([]byte("x")); err != nil {
+				return err
+			}
+			_, err = io.ReadFull(c, make([]byte, 1))
+			return err
+		})
+		if err == nil {
+			return true
+		}
+		var ne net.Error
+		if !errors.As(err, &ne) || !ne.Timeout() {
+			t.Fatalf("%s: %v", dst, err)
+		}
+	}
+	return false
+}

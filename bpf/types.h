@@ -222,6 +222,10 @@ enum ct_flags {
 	// the flow, and a stale entry is judged again on the backend that
 	// the kernel's conntrack entry names.
 	CT_SERVICE = 4,
+	// Opened to a frontend that the kernel did not translate for it (a
+	// socket of the node bound to the frontend, behind a notrack rule):
+	// judged on the frontend, like a flow to anything else.
+	CT_DIRECT = 8,
 };
 
 struct ct_value {
