@@ -3,7 +3,7 @@ GO ?= go
 BIN := bin
 PKGS := ./...
 
-.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance churn latency restarts podstart adoption race-prebuild
+.PHONY: all build build-arm64 image generate test test-kernels fuzz soak bench demo lint check-generated clean cluster cluster-down conformance realnode-nftables realnode-services churn latency restarts podstart adoption race-prebuild
 
 all: build
 
@@ -119,9 +119,19 @@ cluster-down:
 # suite; churn: 2,000 pods; latency: p50/p99 over 100 policy changes;
 # restarts: five rounds of restarts under traffic; podstart: pod start to
 # Ready with and without podfence in the chain.
-REALNODE = tools=$$(hack/k8s-tools.sh) && PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1
+REALNODE = tools=$$(hack/k8s-tools.sh) && PODFENCE_K8S_TOOLS=$$tools PODFENCE_REQUIRE_K8S=1 PODFENCE_PROXY_MODE=$(PROXY_MODE)
+# kube-proxy's mode on those nodes: iptables (make test's), or nftables.
+PROXY_MODE ?= iptables
 conformance:
 	$(REALNODE) PODFENCE_CONFORMANCE=full $(GO) test -count=1 -timeout 3h -v -run '^TestNetworkPolicySuite$$' ./test/realnode/
+
+# The Service tests and the suite's CI subset with kube-proxy in nftables
+# mode (make conformance PROXY_MODE=nftables runs the whole suite so).
+realnode-nftables:
+	$(MAKE) --no-print-directory PROXY_MODE=nftables realnode-services
+
+realnode-services:
+	$(REALNODE) $(GO) test -count=1 -timeout 30m -v -run '^(TestNetworkPolicySuite|TestServiceToHostNetworkBackend|TestClusterTierPrioritiesOnNode|TestServiceKeepsClientAddress)$$' ./test/realnode/
 
 churn:
 	$(REALNODE) PODFENCE_CHURN_ROUNDS=40 $(GO) test -count=1 -timeout 2h -v -run '^TestChurn$$' ./test/realnode/

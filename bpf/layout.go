@@ -106,6 +106,9 @@ var layouts = map[string]mapLayout{
 	// each identifier installs its programs at its slot when it opens.
 	mapServices: {ebpf.Hash, uint32(unsafe.Sizeof(podfenceServiceKey{})), 1, 65536, carryCopy, 1, nil},
 	mapJudges:   {ebpf.ProgramArray, 4, 4, 2 * (MaxSlots + 1), carryFresh, 1, nil},
+	// New in layout 6: the same identifiers' judges of flows delivered to
+	// the node's sockets (cgroup_skb programs, so a map of their own).
+	mapLocalJudges: {ebpf.ProgramArray, 4, 4, MaxSlots + 1, carryFresh, 1, nil},
 }
 
 // maxMembers is MAX_MEMBERS in maps.h: the members of one identifier on
@@ -123,6 +126,7 @@ func reasonsIn(layout uint32) uint32 {
 	case 3, 4:
 		return 16 // before REASON_UNTRANSLATED
 	}
+	// Layout 6 added no reason.
 	return uint32(NumReasons)
 }
 

@@ -92,16 +92,19 @@ const (
 	mapTickClock   = pinpath.MapTickClock
 	mapServices    = pinpath.MapServices
 	mapJudges      = pinpath.MapJudges
+	mapLocalJudges = pinpath.MapLocalJudges
 	mapState       = pinpath.MapState
 	mapCounters    = pinpath.MapCounters
 	mapPortSets    = pinpath.MapPortSets
 	mapSources     = pinpath.MapSources
 	mapTiers       = pinpath.MapTiers
 
-	progIngress  = "pod_ingress"
-	progEgress   = "pod_egress"
-	progAfterNAT = "pod_after_nat"
-	progUplink   = "uplink_after_nat"
+	progIngress       = "pod_ingress"
+	progEgress        = "pod_egress"
+	progAfterNAT      = "pod_after_nat"
+	progLocal         = "pod_local"
+	progUplink        = "uplink_after_nat"
+	progLocalDispatch = "local_after_nat"
 )
 
 var globalMaps = pinpath.GlobalMaps()
@@ -179,8 +182,9 @@ type Global struct {
 	TickClock   *ebpf.Map
 	// The Service frontends (services.go) and the identifiers' judges by
 	// slot (slots.go), for judging Service flows after the translation.
-	Services *ebpf.Map
-	Judges   *ebpf.Map
+	Services    *ebpf.Map
+	Judges      *ebpf.Map
+	LocalJudges *ebpf.Map
 
 	// Renewal is what opening changed: the maps of an earlier layout it
 	// replaced (Programs is always false here).
@@ -259,6 +263,7 @@ func openGlobalDir(dir string, opts GlobalOptions, how int) (*Global, error) {
 		TickClock:   s.maps[mapTickClock],
 		Services:    s.maps[mapServices],
 		Judges:      s.maps[mapJudges],
+		LocalJudges: s.maps[mapLocalJudges],
 		Renewal:     rn,
 		dir:         dir,
 	}, nil
@@ -312,6 +317,7 @@ func (g *Global) replacements() map[string]*ebpf.Map {
 		mapTickClock:   g.TickClock,
 		mapServices:    g.Services,
 		mapJudges:      g.Judges,
+		mapLocalJudges: g.LocalJudges,
 	}
 }
 
@@ -327,7 +333,11 @@ type Datapath struct {
 	// AfterNAT judges the identifier's Service flows after the
 	// translation, at Slot of the node's judges map; nil (and Slot -1)
 	// where the kernel lacks the conntrack kfuncs (service.h).
-	AfterNAT        *ebpf.Program
+	AfterNAT *ebpf.Program
+	// Local is its judge of Service flows delivered to a socket of the
+	// node (a cgroup_skb program), at the same slot of local_judges; it
+	// goes with AfterNAT.
+	Local           *ebpf.Program
 	Slot            int
 	State, Counters *ebpf.Map
 	// The two sides of the policy; the generation's parity selects the
@@ -493,7 +503,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 			// Installed again on every open: the judges map may be a
 			// new one (its layout's take-over creates it empty).
 			if ident.AfterNAT != nil {
-				if err := g.installJudge(uint32(ident.Slot), ident.AfterNAT, ident.Ingress); err != nil {
+				if err := g.installJudge(uint32(ident.Slot), ident); err != nil {
 					return fail(err)
 				}
 			}
@@ -502,8 +512,8 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 			return ident, rn, nil
 		}
 		if err == nil && reused { // programs of a kernel with(out) the kfuncs
-			closeAll(ident.Ingress, ident.Egress, ident.AfterNAT)
-			ident.Ingress, ident.Egress, ident.AfterNAT = nil, nil, nil
+			closeAll(ident.Ingress, ident.Egress, ident.AfterNAT, ident.Local)
+			ident.Ingress, ident.Egress, ident.AfterNAT, ident.Local = nil, nil, nil, nil
 		}
 		if err != nil && !renew {
 			return fail(err)
@@ -532,7 +542,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 		// gets the datapath, judging Services on their frontends.
 		refused := err
 		judgeRefused.Store(&refused)
-		_ = freeSlot(g.Judges, g.slotsDir(), uint32(ident.Slot), dir)
+		_ = freeSlot(g.judgeMaps(), g.slotsDir(), uint32(ident.Slot), dir)
 		ident.Slot = -1
 		ident.noDispatch = true
 		err = ident.loadPrograms(g)
@@ -553,7 +563,7 @@ func openIdentifier(g *Global, dir string, id podid.ID, renew bool) (*Datapath, 
 	mk := marker{version: LayoutVersion, object: objectID(), moving: rn.MovePending}
 	if ident.AfterNAT != nil {
 		// Installed before any member runs programs that stamp the slot.
-		if err := g.installJudge(uint32(ident.Slot), ident.AfterNAT, ident.Ingress); err != nil {
+		if err := g.installJudge(uint32(ident.Slot), ident); err != nil {
 			return fail(err)
 		}
 		mk.slot, mk.hasSlot = uint32(ident.Slot), true
@@ -620,7 +630,7 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 		name string
 		pin  string
 	}{{ingress, progIngress, pinpath.ProgIngress}, {egress, progEgress, pinpath.ProgEgress}} {
-		if err := checkProgram(p.prog, p.name, want); err != nil {
+		if err := checkProgram(p.prog, ebpf.SchedCLS, p.name, want); err != nil {
 			closeAll(ingress, egress)
 			return false, fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, p.pin), ErrIncompatiblePin, err)
 		}
@@ -631,7 +641,7 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 		return true, nil
 	}
 	if err == nil {
-		err = checkProgram(judge, progAfterNAT, want)
+		err = checkProgram(judge, ebpf.SchedCLS, progAfterNAT, want)
 		if err != nil {
 			err = fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, pinpath.ProgAfterNAT), ErrIncompatiblePin, err)
 		}
@@ -643,7 +653,28 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 		i.Ingress, i.Egress = nil, nil
 		return false, err
 	}
-	i.AfterNAT = judge
+	// The local judge goes with it; an earlier build's judge came alone,
+	// and the programs are loaded again to add it.
+	local, err := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgLocal), nil)
+	if errors.Is(err, os.ErrNotExist) {
+		closeAll(ingress, egress, judge)
+		i.Ingress, i.Egress = nil, nil
+		return false, nil
+	}
+	if err == nil {
+		err = checkProgram(local, ebpf.CGroupSKB, progLocal, want)
+		if err != nil {
+			err = fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, pinpath.ProgLocal), ErrIncompatiblePin, err)
+		}
+	} else {
+		err = fmt.Errorf("load pinned program: %w", err)
+	}
+	if err != nil {
+		closeAll(ingress, egress, judge, local)
+		i.Ingress, i.Egress = nil, nil
+		return false, err
+	}
+	i.AfterNAT, i.Local = judge, local
 	return true, nil
 }
 
@@ -673,13 +704,13 @@ func (i *Datapath) judgeMatches(g *Global) bool {
 	return i.Slot >= 0 && g.slotHeld(i.Slot, i.Dir)
 }
 
-func checkProgram(p *ebpf.Program, name string, want map[ebpf.MapID]bool) error {
+func checkProgram(p *ebpf.Program, typ ebpf.ProgramType, name string, want map[ebpf.MapID]bool) error {
 	info, err := objinfo.ProgramOf(p)
 	if err != nil {
 		return err
 	}
-	if info.Type != ebpf.SchedCLS || info.Name != name {
-		return fmt.Errorf("program is %s %q, want %s %q", info.Type, info.Name, ebpf.SchedCLS, name)
+	if info.Type != typ || info.Name != name {
+		return fmt.Errorf("program is %s %q, want %s %q", info.Type, info.Name, typ, name)
 	}
 	unnamed := 0
 	for _, id := range info.MapIDs {
@@ -747,7 +778,7 @@ func (i *Datapath) loadPrograms(g *Global) error {
 		if err := cs.Variables["after_nat"].Set(uint8(1)); err != nil {
 			return fmt.Errorf("set after_nat: %w", err)
 		}
-		names = append(names, progAfterNAT)
+		names = append(names, progAfterNAT, progLocal)
 	}
 	repl := g.replacements()
 	for name, m := range i.mapFields() {
@@ -776,7 +807,7 @@ func (i *Datapath) loadPrograms(g *Global) error {
 	}
 	i.Ingress, i.Egress = progs[0], progs[1]
 	if len(progs) > 2 {
-		i.AfterNAT = progs[2]
+		i.AfterNAT, i.Local = progs[2], progs[3]
 	}
 	return nil
 }
@@ -791,14 +822,22 @@ func (i *Datapath) pinPrograms() error {
 			return err
 		}
 	}
-	judge := filepath.Join(i.Dir, pinpath.ProgAfterNAT)
-	if i.AfterNAT == nil {
-		if err := os.Remove(judge); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("remove %s: %w", judge, err)
+	for _, p := range []struct {
+		prog *ebpf.Program
+		pin  string
+	}{{i.AfterNAT, pinpath.ProgAfterNAT}, {i.Local, pinpath.ProgLocal}} {
+		path := filepath.Join(i.Dir, p.pin)
+		if p.prog == nil {
+			if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("remove %s: %w", path, err)
+			}
+			continue
 		}
-		return nil
+		if err := pinReplacing(p.prog, path); err != nil {
+			return err
+		}
 	}
-	return pinReplacing(i.AfterNAT, judge)
+	return nil
 }
 
 // loadProgram loads the program name of cs alone, with the maps of repl.
@@ -855,7 +894,7 @@ func (i *Datapath) maps() []*ebpf.Map {
 // Close releases the file descriptors; the pins stay.
 func (i *Datapath) Close() error {
 	err := closeAll(i.maps()...)
-	return errors.Join(err, closeAll(i.Ingress, i.Egress, i.AfterNAT))
+	return errors.Join(err, closeAll(i.Ingress, i.Egress, i.AfterNAT, i.Local))
 }
 
 // RemoveObjects removes the pinned programs and maps of an identifier's
@@ -867,7 +906,7 @@ func RemoveObjects(dir string) error {
 	if dir == "" {
 		return errors.New("remove objects: no directory")
 	}
-	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.ProgAfterNAT}, identifierMaps...) // programs first, as in RemoveIdentifier
+	pins := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.ProgAfterNAT, pinpath.ProgLocal}, identifierMaps...) // programs first, as in RemoveIdentifier
 	pins = append(pins, pinpath.Layout)
 	for _, pin := range pins {
 		// A kill between pinning and renaming (pinReplacing, writeMarker)

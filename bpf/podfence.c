@@ -936,3 +936,51 @@ int uplink_after_nat(struct __sk_buff *skb)
 	bpf_tail_call(skb, &judges, 2 * (s - 1));
 	return VERDICT_DROP; // no judge in the slot: it cannot be judged
 }
+
+// pod_local is an identifier's judge of its pods' Service flows delivered
+// to a socket of the node (a host-network backend, the node itself, a
+// socket bound to the frontend), where no TC egress runs: reached by a
+// tail call from local_after_nat, it judges the packet's destination,
+// translated already, with the identifier's maps. It does not track the
+// flow (the frontend is not in the packet any more): the first reply does,
+// at the pod's veth (MODE_VETH_FIRST), and until then each packet is judged
+// here. An allowed packet is counted there, once for the flow.
+SEC("cgroup_skb/ingress")
+int pod_local(struct __sk_buff *skb)
+{
+	unstamp(skb);
+	struct flow f;
+	if (parse_delivered(skb, &f) != PARSE_OK) {
+		count(DIR_EGRESS, REASON_UNTRANSLATED);
+		return 0;
+	}
+	__u32 zero = 0;
+	struct id_state *st = bpf_map_lookup_elem(&state, &zero);
+	if (!st)
+		return 0; // an array map always has entry 0
+	__u32 gen = *(volatile __u32 *)&st->generation;
+	__u32 side = gen & 1;
+	asm volatile("" ::: "memory"); // after the generation (enforce_family)
+	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
+	if (!(enforced & (ENFORCE_ANY << DIR_EGRESS)))
+		return 1;
+	int reason = f.family == 4 ? judge(DIR_EGRESS, 4, side, enforced, f.dst.v6, f.proto, f.dport)
+				   : judge(DIR_EGRESS, 6, side, enforced, f.dst.v6, f.proto, f.dport);
+	if (!reason_denies(reason))
+		return 1;
+	deny_at(skb->ingress_ifindex, DIR_EGRESS, &f, reason, now_ns());
+	return 0;
+}
+
+// local_after_nat runs at the ingress of the cgroup the sweeper hooks (the
+// node's root by default): a packet a pod's veth stamped and the node
+// delivered to one of its own sockets is judged by its sender's pod_local.
+SEC("cgroup_skb/ingress")
+int local_after_nat(struct __sk_buff *skb)
+{
+	__u32 s = stamped(skb);
+	if (!s)
+		return 1;
+	bpf_tail_call(skb, &local_judges, s - 1);
+	return 0; // no judge in the slot: it cannot be judged
+}

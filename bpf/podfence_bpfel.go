@@ -184,6 +184,7 @@ const (
 	podfenceMapEventBudget     = "event_budget"
 	podfenceMapFrags           = "frags"
 	podfenceMapJudges          = "judges"
+	podfenceMapLocalJudges     = "local_judges"
 	podfenceMapNodeAddrs       = "node_addrs"
 	podfenceMapPolEgV4         = "pol_eg_v4"
 	podfenceMapPolEgV41        = "pol_eg_v4_1"
@@ -200,9 +201,11 @@ const (
 	podfenceMapTickClock       = "tick_clock"
 	podfenceMapTiers           = "tiers"
 	podfenceMapTiers1          = "tiers_1"
+	podfenceProgLocalAfterNat  = "local_after_nat"
 	podfenceProgPodAfterNat    = "pod_after_nat"
 	podfenceProgPodEgress      = "pod_egress"
 	podfenceProgPodIngress     = "pod_ingress"
+	podfenceProgPodLocal       = "pod_local"
 	podfenceProgUplinkAfterNat = "uplink_after_nat"
 	podfenceVarAfterNat        = "after_nat"
 	podfenceVarCoarseClock     = "coarse_clock"
@@ -253,9 +256,11 @@ type podfenceSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type podfenceProgramSpecs struct {
+	LocalAfterNat  *ebpf.ProgramSpec `ebpf:"local_after_nat"`
 	PodAfterNat    *ebpf.ProgramSpec `ebpf:"pod_after_nat"`
 	PodEgress      *ebpf.ProgramSpec `ebpf:"pod_egress"`
 	PodIngress     *ebpf.ProgramSpec `ebpf:"pod_ingress"`
+	PodLocal       *ebpf.ProgramSpec `ebpf:"pod_local"`
 	UplinkAfterNat *ebpf.ProgramSpec `ebpf:"uplink_after_nat"`
 }
 
@@ -270,6 +275,7 @@ type podfenceMapSpecs struct {
 	EventBudget *ebpf.MapSpec `ebpf:"event_budget"`
 	Frags       *ebpf.MapSpec `ebpf:"frags"`
 	Judges      *ebpf.MapSpec `ebpf:"judges"`
+	LocalJudges *ebpf.MapSpec `ebpf:"local_judges"`
 	NodeAddrs   *ebpf.MapSpec `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.MapSpec `ebpf:"pol_eg_v4"`
 	PolEgV41    *ebpf.MapSpec `ebpf:"pol_eg_v4_1"`
@@ -326,6 +332,7 @@ type podfenceMaps struct {
 	EventBudget *ebpf.Map `ebpf:"event_budget"`
 	Frags       *ebpf.Map `ebpf:"frags"`
 	Judges      *ebpf.Map `ebpf:"judges"`
+	LocalJudges *ebpf.Map `ebpf:"local_judges"`
 	NodeAddrs   *ebpf.Map `ebpf:"node_addrs"`
 	PolEgV4     *ebpf.Map `ebpf:"pol_eg_v4"`
 	PolEgV41    *ebpf.Map `ebpf:"pol_eg_v4_1"`
@@ -353,6 +360,7 @@ func (m *podfenceMaps) Close() error {
 		m.EventBudget,
 		m.Frags,
 		m.Judges,
+		m.LocalJudges,
 		m.NodeAddrs,
 		m.PolEgV4,
 		m.PolEgV41,
@@ -387,17 +395,21 @@ type podfenceVariables struct {
 //
 // It can be passed to loadPodfenceObjects or ebpf.CollectionSpec.LoadAndAssign.
 type podfencePrograms struct {
+	LocalAfterNat  *ebpf.Program `ebpf:"local_after_nat"`
 	PodAfterNat    *ebpf.Program `ebpf:"pod_after_nat"`
 	PodEgress      *ebpf.Program `ebpf:"pod_egress"`
 	PodIngress     *ebpf.Program `ebpf:"pod_ingress"`
+	PodLocal       *ebpf.Program `ebpf:"pod_local"`
 	UplinkAfterNat *ebpf.Program `ebpf:"uplink_after_nat"`
 }
 
 func (p *podfencePrograms) Close() error {
 	return _PodfenceClose(
+		p.LocalAfterNat,
 		p.PodAfterNat,
 		p.PodEgress,
 		p.PodIngress,
+		p.PodLocal,
 		p.UplinkAfterNat,
 	)
 }

@@ -13,9 +13,14 @@
 // pod sent and the backend it was translated to, judges the flow on the
 // backend and tracks it under the tuple the veth sees.
 //
+// A packet delivered to a socket of the node meets no TC egress: there the
+// judge is pod_local, a cgroup_skb program, reached from local_after_nat at
+// the ingress of the cgroup that holds the node's sockets.
+//
 // Kernel facilities: skb marks, which survive the routing between the two
 // hooks (a pod cannot set them: the veth scrubs a packet crossing into the
-// node's namespace); TC egress on the output device; tail calls; and the
+// node's namespace); TC egress on the output device; cgroup_skb ingress;
+// tail calls; and the
 // conntrack kfuncs bpf_skb_ct_lookup and bpf_ct_release (5.18 and later;
 // nf_conntrack's BTF). Where the kernel lacks the kfuncs the loader leaves
 // after_nat 0 and a Service is judged at the veth on its frontend, as
@@ -58,6 +63,17 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);
 } judges SEC(".maps");
+
+// The node's sockets have no TC egress: local_after_nat, at the ingress of
+// a cgroup that holds them (the sweeper's --judge-local-cgroup), hands a
+// stamped packet delivered there to its sender's pod_local, by slot. A
+// program array holds one program type, so these are apart from judges.
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, MAX_SLOTS + 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} local_judges SEC(".maps");
 
 // Set by the loader: the identifier's slot, and whether its judge is
 // installed there (after_nat: the kernel has the conntrack kfuncs and the
@@ -195,4 +211,44 @@ static __always_inline int translated(struct __sk_buff *skb, const int family, c
 	t->backend_port = bpf_ntohs(ct->tuplehash[1].tuple.src.u.all);
 	bpf_ct_release(ct);
 	return 1;
+}
+
+// parse_delivered reads what the judge of a packet delivered to a socket of
+// the node needs (family, addresses, protocol, ports) from skb, whose data
+// starts at the IP header there (cgroup_skb). The stack has reassembled
+// fragments. Only TCP and UDP, which are all the veth stamps, and no IPv6
+// extension headers: anything else is PARSE_MALFORMED, dropped.
+static __always_inline int parse_delivered(struct __sk_buff *skb, struct flow *f)
+{
+	__builtin_memset(f, 0, sizeof(*f));
+	__u32 l4;
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip;
+		if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)) < 0 || ip.ihl < 5)
+			return PARSE_MALFORMED;
+		f->family = 4;
+		f->proto = ip.protocol;
+		f->src.v4 = ip.saddr;
+		f->dst.v4 = ip.daddr;
+		l4 = ip.ihl * 4;
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr ip6;
+		if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0)
+			return PARSE_MALFORMED;
+		f->family = 6;
+		f->proto = ip6.nexthdr;
+		__builtin_memcpy(f->src.v6, &ip6.saddr, 16);
+		__builtin_memcpy(f->dst.v6, &ip6.daddr, 16);
+		l4 = sizeof(ip6);
+	} else {
+		return PARSE_MALFORMED;
+	}
+	if (f->proto != IPPROTO_TCP && f->proto != IPPROTO_UDP)
+		return PARSE_MALFORMED;
+	struct l4_ports p;
+	if (bpf_skb_load_bytes(skb, l4, &p, sizeof(p)) < 0)
+		return PARSE_MALFORMED;
+	f->sport = bpf_ntohs(p.sport);
+	f->dport = bpf_ntohs(p.dport);
+	return PARSE_OK;
 }

@@ -7,7 +7,10 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +19,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/localhook"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/pkg/policy"
 	"github.com/podfence/podfence/test/kernel"
@@ -466,6 +471,195 @@ func roundTrips(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
 	for range attempts {
 		err := n.Do(func(ns.NetNS) error {
 			c, err := net.DialTimeout("tcp", dst.String(), timeout)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			if err := c.SetDeadline(time.Now().Add(timeout)); err != nil {
+				return err
+			}
+			if _, err := c.Write([]byte("x")); err != nil {
+				return err
+			}
+			_, err = io.ReadFull(c, make([]byte, 1))
+			return err
+		})
+		if err == nil {
+			return true
+		}
+		var ne net.Error
+		if !errors.As(err, &ne) || !ne.Timeout() {
+			t.Fatalf("%s: %v", dst, err)
+		}
+	}
+	return false
+}
+
+// TestServiceDeliveredOnNodeJudgedOnArrival: with the local judge hooked
+// on the cgroup of a socket of the node, a Service flow delivered to it is
+// judged on arrival, before the socket reads it: a refused UDP datagram
+// never reaches the backend. The same backend on a socket outside the
+// hooked cgroup shows what the hook closes: its datagram arrives, unjudged,
+// and only the answer is refused (at the first reply).
+func TestServiceDeliveredOnNodeJudgedOnArrival(t *testing.T) {
+	requireAfterNAT(t)
+	for _, a := range []serviceAddrs{serviceV4, serviceV6} {
+		t.Run(a.nft, func(t *testing.T) { serviceJudgedOnArrival(t, a) })
+	}
+}
+
+func serviceJudgedOnArrival(t *testing.T, a serviceAddrs) {
+	s := newServiceNode(t, a, false)
+	inside := hookedCgroup(t, s.g)
+	const hookedPort, unhookedPort = 8081, 8082
+	hooked, unhooked := netip.AddrPortFrom(a.uplink.Addr(), hookedPort), netip.AddrPortFrom(a.uplink.Addr(), unhookedPort)
+	toHooked := netip.AddrPortFrom(a.farIP.Addr().Next(), 80)
+	toUnhooked := netip.AddrPortFrom(a.farIP.Addr().Next(), 81)
+	udpDNAT := func(from, to netip.AddrPort) string {
+		return "add rule " + a.nft + " kp pre " + a.match + " daddr " + from.Addr().String() + " udp dport " +
+			strconv.Itoa(int(from.Port())) + " dnat to " + to.String() + "\n"
+	}
+	nsRun(t, s.node, udpDNAT(toHooked, hooked)+udpDNAT(toUnhooked, unhooked), "nft", "-f", "-")
+	var got map[uint16]func() int
+	inside(func() { got = map[uint16]func() int{hookedPort: udpEcho(t, s.node, hooked)} })
+	got[unhookedPort] = udpEcho(t, s.node, unhooked)
+	if _, _, err := s.g.SetServices([]Frontend{
+		{toHooked.Addr(), toHooked.Port(), unix.IPPROTO_UDP},
+		{toUnhooked.Addr(), toUnhooked.Port(), unix.IPPROTO_UDP},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
+	isolated := func(r ...policy.Rule) policy.Set {
+		s := egressOnly(r...)
+		s.Ingress.Isolated = true
+		return s
+	}
+	udp := func(first, last uint16) policy.PortRange { return ports(policy.ProtocolUDP, first, last) }
+	cases := []struct {
+		name    string
+		set     policy.Set
+		allowed bool
+	}{
+		{"an ipBlock naming the node's backend admits its Service", isolated(rule(host(hooked), udp(hookedPort, unhookedPort))), true},
+		{"an except of the node's backend refuses its Service", isolated(except(rule(a.anyPrefix), host(hooked))), false},
+		{"a rule for the frontend alone admits nothing", isolated(rule(host(toHooked), udp(80, 81))), false},
+	}
+	for _, c := range cases {
+		if err := s.cli.ApplyPolicy(c.set); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		for _, p := range []struct {
+			front netip.AddrPort
+			port  uint16
+			// Whether the datagram reaches the backend when refused.
+			arrivesRefused bool
+		}{{toHooked, hookedPort, false}, {toUnhooked, unhookedPort, true}} {
+			before := got[p.port]()
+			answered := udpAnswered(t, s.client, p.front, c.allowed)
+			arrived := got[p.port]() > before
+			if answered != c.allowed {
+				t.Errorf("%s: %s answered %v, want %v", c.name, p.front, answered, c.allowed)
+			}
+			if want := c.allowed || p.arrivesRefused; arrived != want {
+				t.Errorf("%s: %s's datagram reached port %d: %v, want %v", c.name, p.front, p.port, arrived, want)
+			}
+		}
+	}
+}
+
+// hookedCgroup makes a cgroup v2 directory for the test, hooks the node's
+// local judge at its ingress, and returns a function that runs fn with this
+// process in it: a socket belongs to the cgroup of the process that makes
+// it, for the socket's life.
+func hookedCgroup(t *testing.T, g *Global) (inside func(fn func())) {
+	t.Helper()
+	dir := kernel.Cgroup(t)
+	own, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var home string
+	for _, l := range strings.Split(string(own), "\n") {
+		if p, ok := strings.CutPrefix(l, "0::"); ok {
+			home = filepath.Join(filepath.Dir(dir), p)
+		}
+	}
+	if home == "" {
+		t.Skip("this process is in no cgroup v2")
+	}
+	prog, err := LoadLocal(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prog.Close()
+	pin := filepath.Join(g.dir, pinpath.LocalLink)
+	if err := localhook.Hook(dir, pin, prog); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := localhook.Release(pin); err != nil {
+			t.Error(err)
+		}
+	})
+	pid := []byte(strconv.Itoa(os.Getpid()))
+	return func(fn func()) {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			if err := os.WriteFile(filepath.Join(home, "cgroup.procs"), pid, 0o644); err != nil {
+				t.Fatalf("back to %s: %v", home, err)
+			}
+		}()
+		fn()
+	}
+}
+
+// udpEcho answers every datagram to at in n with itself until the test
+// ends; the function returned counts those received. Bound to the address,
+// as a UDP server on a node of several must be for its answers to leave
+// from the address the client's datagram was translated to.
+func udpEcho(t *testing.T, n ns.NetNS, at netip.AddrPort) func() int {
+	t.Helper()
+	var pc net.PacketConn
+	netnsutil.Do(t, n, func() error {
+		var err error
+		pc, err = net.ListenPacket("udp", at.String())
+		return err
+	})
+	var received atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		b := make([]byte, 64)
+		for {
+			k, from, err := pc.ReadFrom(b)
+			if err != nil {
+				return
+			}
+			received.Add(1)
+			pc.WriteTo(b[:k], from) //nolint:errcheck // the client's loss
+		}
+	}()
+	t.Cleanup(func() {
+		pc.Close()
+		<-done
+	})
+	return func() int { return int(received.Load()) }
+}
+
+// udpAnswered tells whether a datagram from n to dst gets its echo back,
+// trying harder when it should than when not.
+func udpAnswered(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
+	t.Helper()
+	timeout, attempts := 300*time.Millisecond, 1
+	if want {
+		timeout, attempts = time.Second, 3
+	}
+	for range attempts {
+		err := n.Do(func(ns.NetNS) error {
+			c, err := net.Dial("udp", dst.String())
 			if err != nil {
 				return err
 			}

@@ -120,29 +120,52 @@ func (g *Global) reserveSlot(dir string, want uint32, wanted bool) (uint32, erro
 }
 
 // installJudge puts the identifier's judge and ingress program at its
-// slot in the judges map, where tail calls find them.
-// An entry that holds its program already is left alone: a reused open
-// (every ADD) reads two entries instead of writing them, which would make
-// the kernel patch every program's direct tail calls into the slot.
-func (g *Global) installJudge(slot uint32, judge, ingress *ebpf.Program) error {
+// slot in the judges map, and its local judge in local_judges, where tail
+// calls find them. An entry that holds its program already is left alone:
+// a reused open (every ADD) reads the entries instead of writing them,
+// which would make the kernel patch every program's direct tail calls into
+// the slot.
+func (g *Global) installJudge(slot uint32, d *Datapath) error {
 	for _, e := range []struct {
+		m    *ebpf.Map
 		key  uint32
 		prog *ebpf.Program
 		what string
-	}{{2 * slot, judge, "judge"}, {2*slot + 1, ingress, "ingress program"}} {
+	}{
+		{g.Judges, 2 * slot, d.AfterNAT, "judge"},
+		{g.Judges, 2*slot + 1, d.Ingress, "ingress program"},
+		{g.LocalJudges, slot, d.Local, "local judge"},
+	} {
 		want, err := objinfo.ProgramID(e.prog)
 		if err != nil {
 			return fmt.Errorf("install %s of slot %d: %w", e.what, slot, err)
 		}
 		var have uint32
-		if g.Judges.Lookup(e.key, &have) == nil && ebpf.ProgramID(have) == want {
+		if e.m.Lookup(e.key, &have) == nil && ebpf.ProgramID(have) == want {
 			continue
 		}
-		if err := g.Judges.Put(e.key, e.prog); err != nil {
+		if err := e.m.Put(e.key, e.prog); err != nil {
 			return fmt.Errorf("install %s of slot %d: %w", e.what, slot, err)
 		}
 	}
 	return nil
+}
+
+// judgeMaps are the program arrays a slot has entries in.
+func (g *Global) judgeMaps() slotMaps { return slotMaps{g.Judges, g.LocalJudges} }
+
+// slotMaps are the judges and local_judges maps (either nil: no such map).
+type slotMaps struct{ judges, local *ebpf.Map }
+
+// keys are slot's entries in each.
+func (m slotMaps) entries(slot uint32) []struct {
+	m   *ebpf.Map
+	key uint32
+} {
+	return []struct {
+		m   *ebpf.Map
+		key uint32
+	}{{m.judges, 2 * slot}, {m.judges, 2*slot + 1}, {m.local, slot}}
 }
 
 // ReleaseSlot frees the slot of the identifier directory dir, whose node
@@ -179,24 +202,31 @@ func ReleaseSlot(globalDir, dir string) error {
 	if len(slots) == 0 {
 		return nil
 	}
-	judges, err := ebpf.LoadPinnedMap(filepath.Join(globalDir, mapJudges), nil)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("release slots: %w", err)
-	}
-	if judges != nil {
-		defer judges.Close()
+	var maps slotMaps
+	for _, p := range []struct {
+		m    **ebpf.Map
+		name string
+	}{{&maps.judges, mapJudges}, {&maps.local, mapLocalJudges}} {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(globalDir, p.name), nil)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("release slots: %w", err)
+		}
+		if m != nil {
+			defer m.Close()
+			*p.m = m
+		}
 	}
 	for _, n := range slots {
-		if err := freeSlot(judges, slotsDir, n, dir); err != nil {
+		if err := freeSlot(maps, slotsDir, n, dir); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// freeSlot empties slot's entries of judges (nil: there is no such map)
-// and removes its reservation in slotsDir, if it names dir.
-func freeSlot(judges *ebpf.Map, slotsDir string, slot uint32, dir string) error {
+// freeSlot empties slot's entries of the judges maps and removes its
+// reservation in slotsDir, if it names dir.
+func freeSlot(maps slotMaps, slotsDir string, slot uint32, dir string) error {
 	path := filepath.Join(slotsDir, strconv.Itoa(int(slot)))
 	owner, err := os.Readlink(path)
 	if errors.Is(err, os.ErrNotExist) || (err == nil && owner != dir) {
@@ -205,11 +235,11 @@ func freeSlot(judges *ebpf.Map, slotsDir string, slot uint32, dir string) error 
 	if err != nil {
 		return fmt.Errorf("read slot %d: %w", slot, err)
 	}
-	for _, k := range []uint32{2 * slot, 2*slot + 1} {
-		if judges == nil {
-			break
+	for _, e := range maps.entries(slot) {
+		if e.m == nil {
+			continue
 		}
-		if err := judges.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := e.m.Delete(e.key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("release slot %d: %w", slot, err)
 		}
 	}
@@ -246,7 +276,7 @@ func (g *Global) SweepSlots() (int, error) {
 		if _, err := os.Stat(owner); !errors.Is(err, os.ErrNotExist) {
 			continue
 		}
-		if err := freeSlot(g.Judges, g.slotsDir(), uint32(n), owner); err != nil {
+		if err := freeSlot(g.judgeMaps(), g.slotsDir(), uint32(n), owner); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -264,4 +294,16 @@ func LoadUplink(g *Global) (*ebpf.Program, error) {
 		return nil, err
 	}
 	return loadProgram(cs, progUplink, g.replacements())
+}
+
+// LoadLocal loads the program that judges, at the ingress of a cgroup of
+// the node's sockets, the Service flows delivered to them
+// (local_after_nat), using the node's local_judges map. The caller
+// attaches and owns it.
+func LoadLocal(g *Global) (*ebpf.Program, error) {
+	cs, err := loadableSpec()
+	if err != nil {
+		return nil, err
+	}
+	return loadProgram(cs, progLocalDispatch, g.replacements())
 }

@@ -28,7 +28,7 @@ import (
 // its entries cannot be copied from pins of an earlier layout; unless the
 // take-over converts it in place, as layout 4 does with the state's
 // padding byte (syncSides), which keeps since 1 so that the pin is reused.
-const LayoutVersion = 5
+const LayoutVersion = 6
 
 // sidesLayout is the layout that gave the policy two sides (struct id_state).
 const sidesLayout = 4

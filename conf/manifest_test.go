@@ -20,6 +20,8 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
+
+	"github.com/podfence/podfence/pkg/localhook"
 )
 
 const (
@@ -517,6 +519,16 @@ func TestSweeperVolumes(t *testing.T) {
 	}
 	if !slices.Contains(c.Args, "--policy-source=kubernetes") {
 		t.Errorf("args = %q, missing --policy-source=kubernetes", c.Args)
+	}
+
+	// The local judge's default (--judge-local-cgroup=auto) looks for the
+	// host's cgroup hierarchy where this mounts it first.
+	cgMount, cg := hostPathMount(t, ds, c, localhook.Candidates[0])
+	if cg.Path != "/sys/fs/cgroup" || !cgMount.ReadOnly {
+		t.Errorf("%s is host %s (readOnly %v), want /sys/fs/cgroup read-only", localhook.Candidates[0], cg.Path, cgMount.ReadOnly)
+	}
+	if slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, "--judge-local-cgroup") }) {
+		t.Errorf("args = %q: --judge-local-cgroup should keep its default, auto", c.Args)
 	}
 
 	// Bidirectional propagation is only allowed for privileged containers.

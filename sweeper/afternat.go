@@ -11,7 +11,9 @@ import (
 
 	"github.com/podfence/podfence/bpf"
 	"github.com/podfence/podfence/pkg/attach"
+	"github.com/podfence/podfence/pkg/localhook"
 	"github.com/podfence/podfence/pkg/nodeaddr"
+	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/servicewatch"
 	"github.com/podfence/podfence/pkg/uplink"
@@ -70,6 +72,33 @@ func (r *runner) syncUplinks() {
 		r.uplinksHooked = len(rep.Hooked)
 		r.log.Info("uplinks judged for Service flows translated off the node", "interfaces", rep.Hooked, "released", rep.Released)
 	}
+}
+
+// syncLocal hooks the judge of Service flows delivered to the node's own
+// sockets at the ingress of --judge-local-cgroup, once the kernel can
+// judge after the translation; each pass tries again until it is hooked. A
+// sweeper that starts again updates the pinned link to its own program.
+func (r *runner) syncLocal() {
+	if r.localCgroup == "" || r.localHooked || !bpf.AfterNATSupported() {
+		return
+	}
+	g, err := r.pins.Global()
+	if err != nil {
+		return
+	}
+	p, err := bpf.LoadLocal(g)
+	if err != nil {
+		r.log.Error("load the local judge of Service flows; the next pass tries again", "error", err)
+		return
+	}
+	defer p.Close() // the link holds it
+	pin := pinpath.Root(r.pins.Path()).LocalLink()
+	if err := localhook.Hook(r.localCgroup, pin, p); err != nil {
+		r.log.Error("hook the local judge of Service flows; the next pass tries again", "error", err)
+		return
+	}
+	r.localHooked = true
+	r.log.Info("Service flows delivered to the node's sockets are judged on arrival", "cgroup", r.localCgroup)
 }
 
 // sweepSlots frees the slots of identifiers gone without releasing them.

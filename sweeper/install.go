@@ -10,6 +10,7 @@ import (
 
 	"github.com/podfence/podfence/pkg/atomicfile"
 	"github.com/podfence/podfence/pkg/cniconf"
+	"github.com/podfence/podfence/pkg/localhook"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
 	"github.com/podfence/podfence/pkg/policy"
@@ -155,6 +156,9 @@ func cmdUninstall(args []string, stdout, stderr io.Writer) error {
 	// The uplinks' judge first: a legacy filter outlives the pins.
 	if err := (uplink.Hooks{Dir: pinpath.Root(c.pinRoot).Uplinks()}).Release(); err != nil {
 		return fmt.Errorf("uninstall: take the judge off the uplinks: %w (run it again to finish)", err)
+	}
+	if err := localhook.Release(pinpath.Root(c.pinRoot).LocalLink()); err != nil {
+		return fmt.Errorf("uninstall: take the local judge off its cgroup: %w (run it again to finish)", err)
 	}
 	r, err := pins.RemoveAll()
 	fmt.Fprintf(stdout, "took %d pods' hooks off their veths, removed %d identifiers\n", r.Members, r.Identifiers)

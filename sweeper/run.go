@@ -21,6 +21,7 @@ import (
 
 	"github.com/podfence/podfence/pkg/adopt"
 	"github.com/podfence/podfence/pkg/ctnetlink"
+	"github.com/podfence/podfence/pkg/localhook"
 	"github.com/podfence/podfence/pkg/nodeaddr"
 	"github.com/podfence/podfence/pkg/pinpath"
 	"github.com/podfence/podfence/pkg/pinroot"
@@ -57,6 +58,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	criSocket := fs.String("cri-socket", adopt.DefaultCRISocket, "with --adopt: the container runtime's CRI endpoint")
 	adoptInterval := fs.Duration("adopt-interval", 30*time.Second, "with --adopt: how often to look for pods to adopt besides the start and each repair of the chain")
 	judgeUplinks := fs.Bool("judge-uplinks", true, "hook the judge of pods' Service flows on the TC egress of the node's interfaces other than loopback and veths, as they appear: a flow translated to a backend off the node is judged there on the backend (false: such flows leave unjudged; only for a node where another component does it)")
+	localCgroup := fs.String("judge-local-cgroup", "auto", "hook the judge of pods' Service flows delivered to the node's own sockets (host-network pods, the node itself) at the inet ingress of this cgroup v2 directory: auto is the root of the node's cgroup v2 hierarchy, which holds every socket; none leaves such flows judged only at their first reply (a refused UDP datagram then reaches the socket)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -141,6 +143,15 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	if *judgeUplinks {
 		r.uplinksDir = pinpath.Root(c.pinRoot).Uplinks()
 	}
+	switch *localCgroup {
+	case "none":
+	case "auto":
+		if r.localCgroup, err = localhook.Root(); err != nil {
+			return usageError{fmt.Errorf("--judge-local-cgroup=auto: %w (name the directory, or none)", err)}
+		}
+	default:
+		r.localCgroup = *localCgroup
+	}
 	if *source == sourceKubernetes {
 		cfg, err := apiConfig(*kubeconfig)
 		if err != nil {
@@ -187,6 +198,10 @@ type runner struct {
 	// uplinksWarned, that the kernel cannot judge after the translation.
 	uplinksHooked int
 	uplinksWarned bool
+	// localCgroup is the cgroup the local judge hooks (empty:
+	// --judge-local-cgroup=none); localHooked, that it is hooked.
+	localCgroup string
+	localHooked bool
 	// problems and keepErr are what the last policy load reported, logged
 	// again only when they change.
 	problems []string
@@ -342,6 +357,7 @@ func (r *runner) loop(ctx context.Context) error {
 		}()
 		r.syncUplinks()
 	}
+	r.syncLocal()
 	sc := schedule{interval: r.interval, wake: r.wake, addrs: addrs, policy: follow.C, mirrored: mirrored, links: links}
 	sc.run(ctx, r)
 	r.log.Info("stopping", "reason", context.Cause(ctx))
@@ -352,6 +368,7 @@ func (r *runner) loop(ctx context.Context) error {
 // waited for since the last.
 func (r *runner) pass(waited time.Duration) time.Duration {
 	r.syncUplinks()
+	r.syncLocal()
 	r.sweepSlots()
 	rep, err := r.s.Pass()
 	r.m.pass(rep, err)

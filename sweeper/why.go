@@ -4,11 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/podfence/podfence/bpf"
+	"github.com/podfence/podfence/pkg/ctnetlink"
 	"github.com/podfence/podfence/pkg/membership"
 	"github.com/podfence/podfence/pkg/packet"
 
@@ -37,9 +40,22 @@ type whyResult struct {
 	// a new flow to it is judged on the backend kube-proxy picks, not as
 	// the verdict above says of the frontend itself.
 	ServiceFrontend bool `json:"service_frontend,omitempty"`
+	// Backends are, for a ServiceFrontend, the backends the kernel's
+	// conntrack holds flows to it translated to (those kube-proxy picked
+	// for this node's flows so far), each with the verdict of a new flow
+	// from the pod to it: what the judge after the translation decides
+	// for a flow that lands there.
+	Backends []whyBackend `json:"backends,omitempty"`
 
 	reason bpf.Reason
 	own    []string // the member's addresses
+}
+
+// whyBackend is a Service backend and a new flow's verdict on it.
+type whyBackend struct {
+	Backend string `json:"backend"`
+	Verdict string `json:"verdict"`
+	Reason  string `json:"reason"`
 }
 
 // whyProtocols are the protocols a trial packet can be built for.
@@ -137,6 +153,24 @@ func cmdWhy(args []string, stdout, stderr io.Writer) error {
 			res.ServiceFrontend, _ = g.IsFrontend(bpf.Frontend{Addr: q.peer, Port: q.port, Proto: q.proto})
 		}
 	}
+	if res.ServiceFrontend {
+		backends, err := translatedTo(netip.AddrPortFrom(q.peer, q.port), q.proto)
+		if err != nil {
+			fmt.Fprintf(stderr, "the kernel's conntrack cannot be read (%v): no backend of %s can be named\n", err, res.Dst)
+		}
+		for _, b := range backends {
+			pkt.Dst, pkt.DstPort = b.Addr(), b.Port()
+			ret, reason, err := ident.Trial(q.dir, pkt.Marshal(), uint32(member.HostIfindex))
+			if err != nil {
+				return err
+			}
+			v := whyBackend{Backend: b.String(), Verdict: "allow", Reason: reason.String()}
+			if ret != bpf.VerdictAllow {
+				v.Verdict = "deny"
+			}
+			res.Backends = append(res.Backends, v)
+		}
+	}
 	if c.json {
 		return writeJSON(stdout, res)
 	}
@@ -185,8 +219,31 @@ func printWhy(w io.Writer, r whyResult) {
 		fmt.Fprintf(w, "  not enforced as written: %s\n", p)
 	}
 	if r.ServiceFrontend {
-		fmt.Fprintf(w, "  %s is a Service frontend: a new flow to it is judged on the backend kube-proxy translates it to, not as above; ask why --to <backend>\n", r.Dst)
+		fmt.Fprintf(w, "  %s is a Service frontend: a new flow to it is judged on the backend kube-proxy translates it to, not as above\n", r.Dst)
+		if len(r.Backends) == 0 {
+			fmt.Fprintf(w, "  no flow the kernel's conntrack holds names its backends yet: ask why --to <backend>\n")
+		}
+		for _, b := range r.Backends {
+			fmt.Fprintf(w, "  translated to %s: %s (%s)\n", b.Backend, b.Verdict, b.Reason)
+		}
 	}
+}
+
+// translatedTo lists the backends the kernel's conntrack holds flows to
+// frontend translated to, in order.
+func translatedTo(frontend netip.AddrPort, proto uint8) ([]netip.AddrPort, error) {
+	seen := map[netip.AddrPort]bool{}
+	err := ctnetlink.Dump(func(f *ctnetlink.Flow) error {
+		if f.Orig.Proto != proto || f.Orig.Destination() != frontend {
+			return nil
+		}
+		if b := f.Reply.Source(); b != frontend {
+			seen[b] = true
+		}
+		return nil
+	})
+	backends := slices.SortedFunc(maps.Keys(seen), func(a, b netip.AddrPort) int { return a.Compare(b) })
+	return backends, err
 }
 
 // tierRef names a cluster rule in why's answer.

@@ -3,6 +3,7 @@ package ctnetlink
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 )
 
 // Tuple is one direction of a flow, as the kernel tracks it. Addresses hold
@@ -16,6 +17,20 @@ type Tuple struct {
 	SrcPort  uint16
 	DstPort  uint16
 	Src, Dst [16]byte
+}
+
+// Source is the tuple's source address and port.
+func (t Tuple) Source() netip.AddrPort { return netip.AddrPortFrom(t.addr(t.Src), t.SrcPort) }
+
+// Destination is the tuple's destination address and port.
+func (t Tuple) Destination() netip.AddrPort { return netip.AddrPortFrom(t.addr(t.Dst), t.DstPort) }
+
+// addr is one of the tuple's addresses: IPv4 in the first 4 bytes.
+func (t Tuple) addr(b [16]byte) netip.Addr {
+	if t.Family == 4 {
+		return netip.AddrFrom4([4]byte(b[:4]))
+	}
+	return netip.AddrFrom16(b)
 }
 
 // Flow is a kernel conntrack entry: the original tuple (as the first packet

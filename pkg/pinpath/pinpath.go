@@ -64,6 +64,9 @@ const (
 	// ProgAfterNAT is an identifier's judge of its pods' Service flows
 	// after the translation, installed in MapJudges at its slot.
 	ProgAfterNAT = "prog_after_nat"
+	// ProgLocal is its judge of those delivered to a socket of the node,
+	// installed in MapLocalJudges at the same slot.
+	ProgLocal = "prog_local"
 	// SlotsDir, in GlobalDir, holds one symlink per identifier slot (the
 	// index of its programs in MapJudges and the mark its veths stamp),
 	// naming the identifier's directory: creating it reserves the slot.
@@ -72,6 +75,10 @@ const (
 	// translated Service flows on the node's uplinks (package uplink),
 	// one per interface, "if<ifindex>".
 	UplinksDir = "uplinks"
+	// LocalLink, in GlobalDir, is the link pin of the judge of Service
+	// flows delivered to the node's own sockets, at the ingress of the
+	// cgroup the sweeper hooks (package localhook).
+	LocalLink = "link_local"
 
 	// Record is a member's record; RecordTemp the name it is written under
 	// before the rename that makes it visible.
@@ -95,6 +102,7 @@ const (
 	MapTickClock   = "tick_clock"
 	MapServices    = "services"
 	MapJudges      = "judges"
+	MapLocalJudges = "local_judges"
 
 	MapState    = "state"
 	MapCounters = "counters"
@@ -117,7 +125,7 @@ const (
 
 // GlobalMaps are the map pins in GlobalDir.
 func GlobalMaps() []string {
-	return []string{MapCTv4, MapCTv6, MapNodeAddrs, MapDenyEvents, MapEventBudget, MapFrags, MapTickClock, MapServices, MapJudges}
+	return []string{MapCTv4, MapCTv6, MapNodeAddrs, MapDenyEvents, MapEventBudget, MapFrags, MapTickClock, MapServices, MapJudges, MapLocalJudges}
 }
 
 // IdentifierMaps are the map pins of an identifier's directory, beside its
@@ -135,6 +143,9 @@ func (r Root) Global() string { return filepath.Join(string(r), GlobalDir) }
 
 // Uplinks is the directory of the uplink hooks' link pins.
 func (r Root) Uplinks() string { return filepath.Join(string(r), GlobalDir, UplinksDir) }
+
+// LocalLink is the pin of the link that hooks the local judge to a cgroup.
+func (r Root) LocalLink() string { return filepath.Join(string(r), GlobalDir, LocalLink) }
 
 // Slots is the directory of the identifiers' slot reservations.
 func (r Root) Slots() string { return filepath.Join(string(r), GlobalDir, SlotsDir) }

@@ -330,9 +330,17 @@ func TestClusterEgressThroughService(t *testing.T) {
 		}
 		var w struct {
 			ServiceFrontend bool `json:"service_frontend"`
+			Backends        []struct {
+				Backend, Verdict, Reason string
+			} `json:"backends"`
 		}
 		if err := json.Unmarshal(out, &w); err != nil || !w.ServiceFrontend {
 			t.Errorf("why --to %s: %s (%v), want service_frontend", vip, out, err)
+		}
+		// The refused connections' conntrack entries name the backend.
+		want := netip.AddrPortFrom(web.ip, backendPort).String()
+		if len(w.Backends) != 1 || w.Backends[0].Backend != want || w.Backends[0].Verdict != "deny" || w.Backends[0].Reason != "admin-deny" {
+			t.Errorf("why --to %s: backends %+v, want %s denied by admin-deny", vip, w.Backends, want)
 		}
 		c.setServices(t)
 	}

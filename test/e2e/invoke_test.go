@@ -412,7 +412,7 @@ func (c *cluster) check(t *testing.T, when string, e *expected) map[podid.ID]ker
 	})
 	if entries, err := os.ReadDir(pinpath.Root(c.pinRoot).Global()); err == nil {
 		for _, en := range entries {
-			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) && !slices.Contains([]string{pinpath.Layout, pinpath.SlotsDir, pinpath.UplinksDir}, en.Name()) {
+			if !slices.Contains(pinpath.GlobalMaps(), en.Name()) && !slices.Contains([]string{pinpath.Layout, pinpath.SlotsDir, pinpath.UplinksDir, pinpath.LocalLink}, en.Name()) {
 				errorf("unexpected global pin %s", en.Name())
 			}
 		}
@@ -501,7 +501,7 @@ func (c *cluster) checkIdentifier(t *testing.T, errorf func(string, ...any), id 
 	}
 	allowed := append([]string{pinpath.ProgIngress, pinpath.ProgEgress, pinpath.MembersDir, pinpath.Layout}, identifierMaps...)
 	if bpf.AfterNATSupported() { // the judge of its Service flows
-		allowed = append(allowed, pinpath.ProgAfterNAT)
+		allowed = append(allowed, pinpath.ProgAfterNAT, pinpath.ProgLocal)
 	}
 	entries, _ := os.ReadDir(dir)
 	for _, en := range entries {

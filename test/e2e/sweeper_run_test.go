@@ -26,6 +26,10 @@ import (
 func (c *cluster) runSweeper(t testing.TB, args ...string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
 	all := append([]string{"run", "--pin-root", c.pinRoot, "--policy-dir", c.policyDir, "--metrics-addr", "127.0.0.1:9465"}, args...)
+	// The default hooks the machine's cgroup root: a test names its own.
+	if !slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--judge-local-cgroup") }) {
+		all = append(all, "--judge-local-cgroup=none")
+	}
 	cmd := exec.Command(c.sweeperBin, all...)
 	logs := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = logs, logs

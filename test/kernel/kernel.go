@@ -50,3 +50,33 @@ func PinRoot(tb testing.TB) string {
 	})
 	return dir
 }
+
+// Cgroup returns a fresh cgroup v2 directory below the root of the
+// hierarchy (as localhook.Root finds it) for one test, removed when the
+// test ends; a test that moves processes in moves them out first. It skips
+// the test where no cgroup v2 hierarchy is mounted.
+func Cgroup(tb testing.TB) string {
+	tb.Helper()
+	RequireRoot(tb)
+	var root string
+	for _, c := range []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"} {
+		var st unix.Statfs_t
+		if unix.Statfs(c, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+			root = c
+			break
+		}
+	}
+	if root == "" {
+		tb.Skip("no cgroup v2 hierarchy is mounted")
+	}
+	dir, err := os.MkdirTemp(root, "podfence-test-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if err := os.Remove(dir); err != nil {
+			tb.Errorf("remove cgroup %s: %v", dir, err)
+		}
+	})
+	return dir
+}

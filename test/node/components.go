@@ -220,7 +220,7 @@ kind: KubeProxyConfiguration
 clientConnection: {kubeconfig: %q}
 hostnameOverride: %q
 clusterCIDR: %q
-mode: iptables
+mode: %s
 conntrack: {maxPerCore: 0, min: 0}
 metricsBindAddress: 127.0.0.1:10249
 healthzBindAddress: 127.0.0.1:10256
@@ -245,7 +245,7 @@ func (s *supervisor) nodeAgents() error {
 		return err
 	}
 	pc := s.path("kube-proxy.yaml")
-	if err := os.WriteFile(pc, []byte(fmt.Sprintf(kubeProxyConfig, s.inner, NodeName, ClusterCIDR)), 0o644); err != nil {
+	if err := os.WriteFile(pc, []byte(fmt.Sprintf(kubeProxyConfig, s.inner, NodeName, ClusterCIDR, s.opts.ProxyMode)), 0o644); err != nil {
 		return err
 	}
 	if _, err := s.start("kube-proxy", s.tool("kube-proxy"), "--config="+pc, "-v=0"); err != nil {

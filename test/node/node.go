@@ -28,6 +28,7 @@ package node
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -86,6 +87,10 @@ type Options struct {
 	// ForwardPort is the root namespace's loopback port of the API server
 	// (0: any free one).
 	ForwardPort int
+	// ProxyMode is kube-proxy's mode: iptables (the default, "") or
+	// nftables. (IPVS needs CONFIG_IP_VS, which the test machine's kernel
+	// lacks.)
+	ProxyMode string
 }
 
 // Node is a running node.
@@ -101,6 +106,11 @@ type Node struct {
 	PID int
 	// Tools is the directory of the node's binaries.
 	Tools string
+	// ProxyMode is kube-proxy's (Options.ProxyMode).
+	ProxyMode string
+	// CgroupRoot is the kubelet's cgroup root, relative to each hierarchy:
+	// every process of the node, pods and containerd included, is below it.
+	CgroupRoot string
 }
 
 // state is what the supervisor records in the state directory.
@@ -109,6 +119,7 @@ type state struct {
 	Kubeconfig      string `json:"kubeconfig"`
 	InnerKubeconfig string `json:"inner_kubeconfig"`
 	Tools           string `json:"tools"`
+	ProxyMode       string `json:"proxy_mode"`
 	// CgroupRoot is the kubelet's cgroup root, relative to each hierarchy;
 	// CgroupsMade the directories the node made for it, parents first.
 	CgroupRoot  string   `json:"cgroup_root"`
@@ -139,6 +150,13 @@ func MaybeSupervise() {
 // Up starts a node and waits until it is ready: the node Ready, CoreDNS
 // answering, the images imported. A failed start tears down what it made.
 func Up(opts Options) (*Node, error) {
+	switch opts.ProxyMode {
+	case "":
+		opts.ProxyMode = "iptables"
+	case "iptables", "nftables":
+	default:
+		return nil, fmt.Errorf("node: kube-proxy mode %q: want iptables or nftables", opts.ProxyMode)
+	}
 	if opts.State == "" || opts.Tools == "" || opts.CNIBin == "" {
 		return nil, errors.New("node: State, Tools and CNIBin are required")
 	}
@@ -224,7 +242,8 @@ func Attach(stateDir string) (*Node, error) {
 	if err := json.Unmarshal(b, &s); err != nil {
 		return nil, fmt.Errorf("node: %s: %w", filepath.Join(stateDir, stateFile), err)
 	}
-	return &Node{State: stateDir, Kubeconfig: s.Kubeconfig, InnerKubeconfig: s.InnerKubeconfig, PID: s.PID, Tools: s.Tools}, nil
+	return &Node{State: stateDir, Kubeconfig: s.Kubeconfig, InnerKubeconfig: s.InnerKubeconfig, PID: s.PID, Tools: s.Tools,
+		ProxyMode: cmp.Or(s.ProxyMode, "iptables"), CgroupRoot: s.CgroupRoot}, nil
 }
 
 func (n *Node) running() bool {
@@ -322,12 +341,14 @@ func buildImages(opts Options) error {
 	return nil
 }
 
-// SweeperManifestChange is the one change the node makes to
+// SweeperManifestChange is what the node changes in
 // conf/podfence-sweeper.yaml before applying it: this VM's capability
 // bounding set lacks CAP_SYS_RESOURCE, which the manifest asks for (5.10
 // nodes need it to lift the memlock limit), so a container that asks for
-// it cannot start here.
-const SweeperManifestChange = "CAP_SYS_RESOURCE removed from the sweeper container's capabilities: this machine's bounding set lacks it"
+// it cannot start here; and the local judge is hooked at the node's
+// cgroup root rather than the machine's, which the default would hook
+// (the host's cgroup hierarchy is the machine's here).
+const SweeperManifestChange = "CAP_SYS_RESOURCE removed from the sweeper container's capabilities (this machine's bounding set lacks it); --judge-local-cgroup set to the node's cgroup root (the default is the machine's)"
 
 // InstallPodfence deploys podfence on the node as the README's "Deploy on
 // a cluster" says: the image is containerd's already (Options.Images),
@@ -341,6 +362,11 @@ func (n *Node) InstallPodfence(manifest []byte) error {
 		return fmt.Errorf("node: the sweeper manifest no longer asks for SYS_RESOURCE the way this change expects: update SweeperManifestChange")
 	}
 	changed := strings.Replace(string(manifest), capLine, "", 1)
+	const sourceLine = "            - --policy-source=kubernetes\n"
+	if strings.Count(changed, sourceLine) != 1 {
+		return fmt.Errorf("node: the sweeper manifest no longer passes --policy-source=kubernetes the way this change expects: update SweeperManifestChange")
+	}
+	changed = strings.Replace(changed, sourceLine, sourceLine+"            - --judge-local-cgroup="+n.localCgroup()+"\n", 1)
 	f := filepath.Join(n.State, "podfence-sweeper.yaml")
 	if err := os.WriteFile(f, []byte(changed), 0o644); err != nil {
 		return err
@@ -349,6 +375,23 @@ func (n *Node) InstallPodfence(manifest []byte) error {
 		return err
 	}
 	return n.WaitPodfence(3 * time.Minute)
+}
+
+// localCgroup is the node's cgroup root in the v2 hierarchy, as the
+// sweeper's container sees the host's (mounted at /host/sys/fs/cgroup), or
+// none where the host has no v2 hierarchy.
+func (n *Node) localCgroup() string {
+	hs, err := hierarchies()
+	if err != nil || n.CgroupRoot == "" {
+		return "none"
+	}
+	for _, h := range hs {
+		var st unix.Statfs_t
+		if unix.Statfs(h, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+			return filepath.Join("/host", h, n.CgroupRoot)
+		}
+	}
+	return "none"
 }
 
 // WaitPodfence waits until the sweeper DaemonSet's pod on the node is

@@ -390,7 +390,7 @@ func removeCgroups(made []string) error {
 }
 
 func (s *supervisor) recordState() error {
-	st := state{PID: os.Getpid(), Tools: s.opts.Tools, CgroupRoot: s.cgroupRoot, CgroupsMade: s.cgroupsMade,
+	st := state{PID: os.Getpid(), Tools: s.opts.Tools, ProxyMode: s.opts.ProxyMode, CgroupRoot: s.cgroupRoot, CgroupsMade: s.cgroupsMade,
 		Kubeconfig: s.path("kubeconfig"), InnerKubeconfig: s.path("kubeconfig-inner")}
 	b, err := json.MarshalIndent(st, "", "  ")
 	if err != nil {

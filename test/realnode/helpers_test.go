@@ -234,18 +234,7 @@ func serviceFor(t testing.TB, n *node.Node, cs *kubernetes.Clientset, ns, app st
 		t.Fatal(err)
 	}
 	vip := svc.Spec.ClusterIP
-	waitFor(t, "kube-proxy to DNAT "+vip, 30*time.Second, func() error {
-		out, err := n.Exec("iptables-save", "-t", "nat").Output()
-		if err != nil {
-			return err
-		}
-		for _, rule := range strings.Split(string(out), "\n") {
-			if strings.Contains(rule, "-d "+vip+"/32") && strings.Contains(rule, "-j KUBE-SVC-") {
-				return nil
-			}
-		}
-		return fmt.Errorf("no rule of the nat table sends %s to its endpoints", vip)
-	})
+	waitTranslated(t, n, vip, "tcp", 80)
 	return net.JoinHostPort(vip, "80")
 }
 

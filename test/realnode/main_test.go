@@ -114,7 +114,7 @@ func startNode(tools string) (*node.Node, error) {
 		return nil, err
 	}
 	n, err := node.Up(node.Options{State: filepath.Join(state, "node"), Tools: tools,
-		CNIBin: strings.TrimSpace(string(cni)), Images: []string{image}})
+		CNIBin: strings.TrimSpace(string(cni)), Images: []string{image}, ProxyMode: os.Getenv("PODFENCE_PROXY_MODE")})
 	if err != nil {
 		return nil, err
 	}
