@@ -36,7 +36,11 @@ func TestServiceToHostNetworkBackend(t *testing.T) {
 	ctx := context.Background()
 	srv := netexecPod("hostsrv", map[string]string{"app": "hostsrv"})
 	srv.Spec.HostNetwork = true
-	srv.Spec.Containers[0].Args = []string{"netexec", fmt.Sprintf("--http-port=%d", hostHTTP), fmt.Sprintf("--udp-port=%d", hostUDP)}
+	// Its UDP server bound to the node's address, as a UDP server on a
+	// node of several addresses must be for its answers to leave from the
+	// address the datagram came to (and so be translated back).
+	srv.Spec.Containers[0].Args = []string{"netexec", fmt.Sprintf("--http-port=%d", hostHTTP), fmt.Sprintf("--udp-port=%d", hostUDP),
+		"--udp-listen-addresses=" + node.NodeIP.String()}
 	srv.Spec.Containers[0].Ports = []corev1.ContainerPort{{Name: "http", ContainerPort: hostHTTP}, {Name: "udp", ContainerPort: hostUDP, Protocol: corev1.ProtocolUDP}}
 	runPod(t, cs, ns, srv)
 	client := runPod(t, cs, ns, netexecPod("client", map[string]string{"app": "client"}))
@@ -161,7 +165,7 @@ func echoed(t *testing.T, n *node.Node, ns, word string, expected bool) bool {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if strings.Contains(string(out), "Echoing "+word) {
+		if strings.Contains(string(out), "Echoing "+word+" to ") {
 			return true
 		}
 		if !expected || time.Now().After(deadline) {
