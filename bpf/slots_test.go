@@ -6,6 +6,9 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/cilium/ebpf"
+
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/pkg/podid"
 	"github.com/podfence/podfence/test/kernel"
 )
@@ -100,7 +103,39 @@ func TestJudgeLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	if d.AfterNAT == nil || d.Slot < 0 {
-		t.Fatalf("no judge (slot %d): %v", d.Slot, JudgeRefused())
+	if d.AfterNAT == nil || d.Local == nil || d.Slot < 0 {
+		t.Fatalf("no judge (slot %d, local judge %v): %v", d.Slot, d.Local != nil, JudgeRefused())
+	}
+	// Both installed at the slot.
+	var id uint32
+	if err := g.LocalJudges.Lookup(uint32(d.Slot), &id); err != nil {
+		t.Fatalf("local_judges[%d]: %v", d.Slot, err)
+	}
+	// The node's programs that hand stamped packets to the judges.
+	for name, load := range map[string]func(*Global) (*ebpf.Program, error){"uplink_after_nat": LoadUplink, "local_after_nat": LoadLocal} {
+		p, err := load(g)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		p.Close()
+	}
+	// A second open reuses the pinned programs, the local judge with them.
+	again, err := OpenIdentifier(g, identDir(root, "a@default"), "a@default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	for _, p := range []struct {
+		what      string
+		first, re *ebpf.Program
+	}{{"judge", d.AfterNAT, again.AfterNAT}, {"local judge", d.Local, again.Local}} {
+		if p.re == nil {
+			t.Fatalf("the second open has no %s", p.what)
+		}
+		a, _ := objinfo.ProgramID(p.first)
+		b, _ := objinfo.ProgramID(p.re)
+		if a != b {
+			t.Errorf("the second open loaded the %s again (%d, then %d)", p.what, a, b)
+		}
 	}
 }
