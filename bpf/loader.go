@@ -636,46 +636,42 @@ func (i *Datapath) openPinnedPrograms(g *Global) (bool, error) {
 		}
 	}
 	i.Ingress, i.Egress = ingress, egress
-	judge, err := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgAfterNAT), nil)
-	if errors.Is(err, os.ErrNotExist) {
+	judge, err := loadPinnedProgram(i.Dir, pinpath.ProgAfterNAT, ebpf.SchedCLS, progAfterNAT, want)
+	if judge == nil && err == nil {
 		return true, nil
-	}
-	if err == nil {
-		err = checkProgram(judge, ebpf.SchedCLS, progAfterNAT, want)
-		if err != nil {
-			err = fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, pinpath.ProgAfterNAT), ErrIncompatiblePin, err)
-		}
-	} else {
-		err = fmt.Errorf("load pinned program: %w", err)
-	}
-	if err != nil {
-		closeAll(ingress, egress, judge)
-		i.Ingress, i.Egress = nil, nil
-		return false, err
 	}
 	// The local judge goes with it; an earlier build's judge came alone,
 	// and the programs are loaded again to add it.
-	local, err := ebpf.LoadPinnedProgram(filepath.Join(i.Dir, pinpath.ProgLocal), nil)
-	if errors.Is(err, os.ErrNotExist) {
-		closeAll(ingress, egress, judge)
-		i.Ingress, i.Egress = nil, nil
-		return false, nil
-	}
+	var local *ebpf.Program
 	if err == nil {
-		err = checkProgram(local, ebpf.CGroupSKB, progLocal, want)
-		if err != nil {
-			err = fmt.Errorf("pin %s: %w: %w", filepath.Join(i.Dir, pinpath.ProgLocal), ErrIncompatiblePin, err)
-		}
-	} else {
-		err = fmt.Errorf("load pinned program: %w", err)
+		local, err = loadPinnedProgram(i.Dir, pinpath.ProgLocal, ebpf.CGroupSKB, progLocal, want)
 	}
-	if err != nil {
-		closeAll(ingress, egress, judge, local)
+	if err != nil || local == nil {
+		closeAll(ingress, egress, judge)
 		i.Ingress, i.Egress = nil, nil
 		return false, err
 	}
 	i.AfterNAT, i.Local = judge, local
 	return true, nil
+}
+
+// loadPinnedProgram loads the program pinned at dir/pin and checks that it
+// is the object's name, of typ, using only maps of want; nil and no error
+// when nothing is pinned there.
+func loadPinnedProgram(dir, pin string, typ ebpf.ProgramType, name string, want map[ebpf.MapID]bool) (*ebpf.Program, error) {
+	path := filepath.Join(dir, pin)
+	p, err := ebpf.LoadPinnedProgram(path, nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("load pinned program: %w", err)
+	}
+	if err := checkProgram(p, typ, name, want); err != nil {
+		p.Close()
+		return nil, fmt.Errorf("pin %s: %w: %w", path, ErrIncompatiblePin, err)
+	}
+	return p, nil
 }
 
 // judgeRefused is the last error of a load with the judge that this

@@ -193,6 +193,19 @@ func (s *serviceNode) connects(t *testing.T, dst netip.AddrPort, want bool) bool
 	return netnsutil.Connects(t, s.client, dst, 300*time.Millisecond, 1)
 }
 
+// hostPrefix is ap's address as a prefix of its own.
+func hostPrefix(ap netip.AddrPort) string {
+	return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String()
+}
+
+// bothIsolated is egressOnly(r...) with the ingress isolated too (allowing
+// none): a reply nothing tracked is refused as a new flow.
+func bothIsolated(r ...policy.Rule) policy.Set {
+	s := egressOnly(r...)
+	s.Ingress.Isolated = true
+	return s
+}
+
 func egressOnly(r ...policy.Rule) policy.Set {
 	return policy.Set{Mode: policy.ModeStandard, Selected: true, Egress: policy.DirectionPolicy{Isolated: true, Rules: rules(r...)}}
 }
@@ -210,7 +223,6 @@ func TestServiceJudgedOnBackend(t *testing.T) {
 }
 
 func serviceJudgedOnBackend(t *testing.T, a serviceAddrs) {
-	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
 	wide := a.wide
 	backendNet := netip.PrefixFrom(a.local.Addr(), a.client.Bits()).Masked().String()
 	frontends := netip.PrefixFrom(a.clusterIP.Addr(), a.clusterIP.Addr().BitLen()-16).Masked().String()
@@ -222,9 +234,9 @@ func serviceJudgedOnBackend(t *testing.T, a serviceAddrs) {
 		local, far bool
 	}{
 		{"an ipBlock naming the backends admits their Services",
-			egressOnly(rule(host(a.local), tcpPort(8080)), rule(host(a.far), tcpPort(8080))), true, true},
+			egressOnly(rule(hostPrefix(a.local), tcpPort(8080)), rule(hostPrefix(a.far), tcpPort(8080))), true, true},
 		{"an except of the backend refuses its Service",
-			egressOnly(except(rule(wide), host(a.local))), false, true},
+			egressOnly(except(rule(wide), hostPrefix(a.local))), false, true},
 		{"the backend's port, not the Service's, is judged",
 			egressOnly(rule(wide, tcpPort(80))), false, false},
 		{"a rule for the ClusterIPs alone admits nothing",
@@ -289,13 +301,10 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	if _, _, err := s.g.SetServices([]Frontend{{front.Addr(), front.Port(), unix.IPPROTO_TCP}}); err != nil {
 		t.Fatal(err)
 	}
-	// Ingress isolated too: a pod open to ingress would take the backend's
-	// next segment after the revocation as a new flow towards it (as for
-	// any revoked egress flow), and the client's packets as its replies.
-	isolated := func(s policy.Set) policy.Set {
-		s.Ingress.Isolated = true
-		return s
-	}
+	// Ingress isolated too (bothIsolated): a pod open to ingress would take
+	// the backend's next segment after the revocation as a new flow towards
+	// it (as for any revoked egress flow), and the client's packets as its
+	// replies.
 	var c net.Conn
 	netnsutil.Do(t, s.client, func() error {
 		var err error
@@ -320,7 +329,7 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 	if err := roundTrip(); err != nil {
 		t.Fatalf("round trip before any policy: %v", err)
 	}
-	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcLocal.Addr().String()+"/32", tcpPort(echo))))); err != nil {
+	if err := s.cli.ApplyPolicy(bothIsolated(rule(svcLocal.Addr().String()+"/32", tcpPort(echo)))); err != nil {
 		t.Fatal(err)
 	}
 	for range 3 {
@@ -349,7 +358,7 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 		t.Errorf("counters %v: the flow's packets did not pass as established and replies", before)
 	}
 	// Revoked: the backend is no longer allowed.
-	if err := s.cli.ApplyPolicy(isolated(egressOnly(rule(svcFar.Addr().String() + "/32")))); err != nil {
+	if err := s.cli.ApplyPolicy(bothIsolated(rule(svcFar.Addr().String() + "/32"))); err != nil {
 		t.Fatal(err)
 	}
 	if err := roundTrip(); err == nil {
@@ -416,21 +425,15 @@ func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
 			t.Fatalf("%s does not connect with no policy", dst)
 		}
 	}
-	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
-	isolated := func(r ...policy.Rule) policy.Set {
-		s := egressOnly(r...)
-		s.Ingress.Isolated = true
-		return s
-	}
 	cases := []struct {
 		name          string
 		set           policy.Set
 		node, bounded bool // through toNode, to direct
 	}{
-		{"an ipBlock naming the node's backend admits its Service", isolated(rule(host(onNode), tcpPort(hostPort))), true, false},
-		{"an except of the node's backend refuses its Service", isolated(except(rule(a.anyPrefix), host(onNode))), false, true},
+		{"an ipBlock naming the node's backend admits its Service", bothIsolated(rule(hostPrefix(onNode), tcpPort(hostPort))), true, false},
+		{"an except of the node's backend refuses its Service", bothIsolated(except(rule(a.anyPrefix), hostPrefix(onNode))), false, true},
 		{"a rule for the frontends alone admits only the untranslated one",
-			isolated(rule(host(toNode), tcpPort(80)), rule(host(direct), tcpPort(bound))), false, true},
+			bothIsolated(rule(hostPrefix(toNode), tcpPort(80)), rule(hostPrefix(direct), tcpPort(bound))), false, true},
 	}
 	for _, c := range cases {
 		if err := s.cli.ApplyPolicy(c.set); err != nil {
@@ -463,6 +466,12 @@ func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
 // roundTrips tells whether a connection from n to dst carries a byte there
 // and back (an echo server), trying harder when it should than when not.
 func roundTrips(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
+	return echoes(t, n, "tcp", dst, want)
+}
+
+// echoes tells whether a byte from n to dst over network (tcp, udp) comes
+// back, trying harder when it should than when not.
+func echoes(t *testing.T, n ns.NetNS, network string, dst netip.AddrPort, want bool) bool {
 	t.Helper()
 	timeout, attempts := 300*time.Millisecond, 1
 	if want {
@@ -470,7 +479,7 @@ func roundTrips(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
 	}
 	for range attempts {
 		err := n.Do(func(ns.NetNS) error {
-			c, err := net.DialTimeout("tcp", dst.String(), timeout)
+			c, err := net.DialTimeout(network, dst.String(), timeout)
 			if err != nil {
 				return err
 			}
@@ -529,21 +538,15 @@ func serviceJudgedOnArrival(t *testing.T, a serviceAddrs) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	host := func(ap netip.AddrPort) string { return netip.PrefixFrom(ap.Addr(), ap.Addr().BitLen()).String() }
-	isolated := func(r ...policy.Rule) policy.Set {
-		s := egressOnly(r...)
-		s.Ingress.Isolated = true
-		return s
-	}
 	udp := func(first, last uint16) policy.PortRange { return ports(policy.ProtocolUDP, first, last) }
 	cases := []struct {
 		name    string
 		set     policy.Set
 		allowed bool
 	}{
-		{"an ipBlock naming the node's backend admits its Service", isolated(rule(host(hooked), udp(hookedPort, unhookedPort))), true},
-		{"an except of the node's backend refuses its Service", isolated(except(rule(a.anyPrefix), host(hooked))), false},
-		{"a rule for the frontend alone admits nothing", isolated(rule(host(toHooked), udp(80, 81))), false},
+		{"an ipBlock naming the node's backend admits its Service", bothIsolated(rule(hostPrefix(hooked), udp(hookedPort, unhookedPort))), true},
+		{"an except of the node's backend refuses its Service", bothIsolated(except(rule(a.anyPrefix), hostPrefix(hooked))), false},
+		{"a rule for the frontend alone admits nothing", bothIsolated(rule(hostPrefix(toHooked), udp(80, 81))), false},
 	}
 	for _, c := range cases {
 		if err := s.cli.ApplyPolicy(c.set); err != nil {
@@ -556,7 +559,7 @@ func serviceJudgedOnArrival(t *testing.T, a serviceAddrs) {
 			arrivesRefused bool
 		}{{toHooked, hookedPort, false}, {toUnhooked, unhookedPort, true}} {
 			before := got[p.port]()
-			answered := udpAnswered(t, s.client, p.front, c.allowed)
+			answered := echoes(t, s.client, "udp", p.front, c.allowed)
 			arrived := got[p.port]() > before
 			if answered != c.allowed {
 				t.Errorf("%s: %s answered %v, want %v", c.name, p.front, answered, c.allowed)
@@ -647,39 +650,4 @@ func udpEcho(t *testing.T, n ns.NetNS, at netip.AddrPort) func() int {
 		<-done
 	})
 	return func() int { return int(received.Load()) }
-}
-
-// udpAnswered tells whether a datagram from n to dst gets its echo back,
-// trying harder when it should than when not.
-func udpAnswered(t *testing.T, n ns.NetNS, dst netip.AddrPort, want bool) bool {
-	t.Helper()
-	timeout, attempts := 300*time.Millisecond, 1
-	if want {
-		timeout, attempts = time.Second, 3
-	}
-	for range attempts {
-		err := n.Do(func(ns.NetNS) error {
-			c, err := net.Dial("udp", dst.String())
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			if err := c.SetDeadline(time.Now().Add(timeout)); err != nil {
-				return err
-			}
-			if _, err := c.Write([]byte("x")); err != nil {
-				return err
-			}
-			_, err = io.ReadFull(c, make([]byte, 1))
-			return err
-		})
-		if err == nil {
-			return true
-		}
-		var ne net.Error
-		if !errors.As(err, &ne) || !ne.Timeout() {
-			t.Fatalf("%s: %v", dst, err)
-		}
-	}
-	return false
 }

@@ -24,7 +24,7 @@ KERNELS_CACHE=${KERNELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/podfence/kernels}
 # Modules the guest loads, with their dependencies, in dependency order:
 # the veth of the attach tests, clsact (sch_ingress) and cls_bpf for the
 # legacy attach path, and conntrack/nftables/NAT for the service-VIP tests.
-MODULES=(veth sch_ingress cls_bpf nf_conntrack nf_conntrack_netlink nf_tables nft_ct nf_nat nft_chain_nat nft_nat)
+MODULES=(veth sch_ingress cls_bpf nf_conntrack nf_conntrack_netlink nf_tables nft_ct nf_nat nft_chain_nat nft_nat nft_masq)
 
 # qemu: software emulation, 2 vCPUs. KVM is not usable inside this VM:
 # /dev/kvm opens, but a guest stops in its decompressor with "KVM internal
@@ -311,7 +311,7 @@ prune_cache() {
 # /payload: the binaries, and /payload/run, one "name args..." a line, which
 # the guest's init runs in order.
 payload_cpio() {
-	local out=$1 tmp spec name rest bin args
+	local out=$1 tmp spec name rest bin args tool lib
 	shift
 	ktmp
 	tmp=$KTMP
@@ -324,7 +324,20 @@ payload_cpio() {
 		chmod 0755 "$tmp/payload/$name"
 		echo "$name $args" >>"$tmp/payload/run"
 	done
-	(cd "$tmp" && find payload -print0 | LC_ALL=C sort -z | cpio --null -o -H newc -R 0:0 --quiet) >"$out"
+	# PAYLOAD_TOOLS: host binaries the tests run (nft), into the guest's
+	# /bin with the libraries they link at the paths they name: the guest
+	# has no libc of its own to clash with.
+	for tool in ${PAYLOAD_TOOLS:-}; do
+		bin=$(command -v "$tool") || kdie "PAYLOAD_TOOLS: no $tool on this host"
+		mkdir -p "$tmp/bin"
+		cp -L "$bin" "$tmp/bin/$tool"
+		for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
+			mkdir -p "$tmp/$(dirname "$lib")"
+			cp -L "$lib" "$tmp/$lib"
+		done
+	done
+	# Every directory is in the archive: the kernel's unpacker makes none.
+	(cd "$tmp" && find . -mindepth 1 -printf '%P\0' | LC_ALL=C sort -z | cpio --null -o -H newc -R 0:0 --quiet) >"$out"
 }
 
 # boot_guest KDIR PAYLOAD OUTDIR boots the kernel in KDIR with its base

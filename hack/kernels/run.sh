@@ -47,7 +47,9 @@ test_timeout=$((GUEST_TIMEOUT > 120 ? GUEST_TIMEOUT - 60 : GUEST_TIMEOUT * 3 / 4
 args="-test.v -test.short -test.count=1 -test.timeout=${test_timeout}s ${TEST_ARGS:-}"
 binaries=(bpf.test attach.test)
 t_built=$(date +%s)
-payload_cpio "$work/payload.cpio" "bpf.test=$work/bpf.test:$args" "attach.test=$work/attach.test:$args"
+# nft for the Service tests' DNAT rules (kube-proxy's, as nftables writes
+# them): with it the guests judge Service traffic after the translation.
+PAYLOAD_TOOLS=nft payload_cpio "$work/payload.cpio" "bpf.test=$work/bpf.test:$args" "attach.test=$work/attach.test:$args"
 
 # Resolve and fetch every kernel first: a missing one fails before any runs.
 declare -A pkg ver dir
