@@ -619,9 +619,10 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 	}
 }
 
-// judge_service hands a tracked Service flow of a stale generation to the
-// identifier's judge, which judges it on its backend at the veth. Without
-// a judge in the slot it cannot be judged: dropped.
+// judge_service hands a Service flow to the identifier's judge at the veth,
+// in mode (service.h): a tracked one of a stale generation, judged again on
+// its backend, or the first reply of one no judge tracked. Without a judge
+// in the slot it cannot be judged: dropped.
 static __always_inline int judge_service(struct __sk_buff *skb, const int dir, const int family,
 					 struct flow *f, __u32 mode, __u64 now)
 {
@@ -705,11 +706,12 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 				     now);
 	asm volatile("" ::: "memory"); // after the generation (see above)
 	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
-	// A reply from a frontend to a flow nothing tracked: the veth stamped
-	// it, and it was delivered to a socket of the node (a host-network
-	// backend, the node itself), where no TC egress runs to judge it. The
-	// pod sees no reply until its judge has judged the flow on the backend
-	// and tracked it.
+	// A packet from a frontend that nothing tracked: the reply of a flow
+	// the veth stamped and no judge tracked (delivered to a socket of the
+	// node, where no TC egress runs; or its entry evicted), or a new flow
+	// from the frontend's address and port. The judge tells which by the
+	// kernel's conntrack entry: a reply is judged on its backend before
+	// the pod sees it, and tracked; anything else as a new ingress flow.
 	if (dir == DIR_INGRESS && !v && after_nat && (enforced & (ENFORCE_ANY << DIR_EGRESS)) && !f->opens &&
 	    !f->is_icmp_error && !f->frag && is_frontend(family, &f->src, f->sport, f->proto))
 		return judge_service(skb, dir, family, f, MODE_VETH_FIRST, now);
@@ -811,6 +813,38 @@ int pod_egress(struct __sk_buff *skb)
 
 // ---- After Service translation (service.h) ----
 
+// answers tells whether the conntrack entry t is that of a flow the pod
+// opened, of which f, at the pod's veth, is a reply: its original tuple is
+// f reversed (the pod, to the frontend f comes from).
+static __always_inline int answers(const int family, const struct flow *f, const struct translation *t)
+{
+	if (t->sport != f->dport || t->dport != f->sport)
+		return 0;
+	if (family == 4)
+		return t->src.v4 == f->dst.v4 && t->dst.v4 == f->src.v4;
+	const __u32 *a = (const __u32 *)t->src.v6, *b = (const __u32 *)f->dst.v6;
+	const __u32 *c = (const __u32 *)t->dst.v6, *d = (const __u32 *)f->src.v6;
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && c[0] == d[0] && c[1] == d[1] &&
+	       c[2] == d[2] && c[3] == d[3];
+}
+
+// new_ingress judges f, at the pod's veth ifindex, as a new flow from its
+// peer, as enforce_family does one.
+static __always_inline int new_ingress(const int family, struct flow *f, struct id_state *st, __u32 gen,
+				       __u32 side, __u32 veth, __u64 now)
+{
+	union ct_key key;
+	ct_key_fill(&key, family, DIR_INGRESS, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, veth);
+	asm volatile("" ::: "memory"); // after the generation (enforce_family)
+	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
+	if (!(enforced & (ENFORCE_ANY << DIR_INGRESS)))
+		return allow_new(DIR_INGRESS, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
+	int reason = judge(DIR_INGRESS, family, side, enforced, f->src.v6, f->proto, f->dport);
+	if (reason_denies(reason))
+		return deny_at(veth, DIR_INGRESS, f, reason, now);
+	return allow_new(DIR_INGRESS, family, &key, gen, reason == REASON_NODE ? CT_NODE : 0, now, reason);
+}
+
 // judge_translated judges the Service flow f of the packet in direction
 // dir on its backend, as mode says where it runs, and tracks it under the
 // tuple the pod's veth sees. The sender's identifier's program: its maps,
@@ -831,21 +865,19 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 
 	struct translation t;
 	union ct_key key;
-	__u8 flags = CT_SERVICE;
 	if (translated(skb, family, f, mode == MODE_VETH_FORWARD, &t)) {
-		// judged on the backend below
+		// A first reply answers a flow the pod opened, or it is none:
+		// a packet from a frontend's address and port (an external IP
+		// anyone may give a Service) is a new flow towards the pod.
+		if (mode == MODE_VETH_FIRST && !answers(family, f, &t))
+			return new_ingress(family, f, st, gen, side, veth, now);
 	} else if (mode == MODE_VETH_FIRST) {
-		// The kernel did not translate it (a socket bound to the
-		// frontend itself behind a notrack rule, as node-local DNS
-		// answers on the cluster DNS's ClusterIP): judged on its
-		// destination, as anything no Service translates.
-		t.src = f->dst;
-		t.dst = f->src;
-		t.backend = f->src;
-		t.sport = f->dport;
-		t.dport = f->sport;
-		t.backend_port = f->sport;
-		flags = CT_DIRECT;
+		// Nothing the kernel tracks (a socket bound to the frontend
+		// behind a notrack rule, as node-local DNS answers on the
+		// cluster DNS's ClusterIP) tells a reply from a new flow: the
+		// local judge tracked the flows it allowed to such a socket
+		// (pod_local), so this is a new flow.
+		return new_ingress(family, f, st, gen, side, veth, now);
 	} else {
 		// At the veth, the kernel forgot the flow (an idle UDP flow, an
 		// endpoint's entries flushed): so does podfence, and the flow's
@@ -872,12 +904,16 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 		reason = judge(DIR_EGRESS, family, side, enforced, t.backend.v6, f->proto, t.backend_port);
 	if (reason_denies(reason)) {
 		bpf_map_delete_elem(ct_map(family), &key);
-		return deny_at(veth, dir, &judged,
-			       mode == MODE_OUTPUT || mode == MODE_VETH_FIRST ? reason : REASON_REVOKED, now);
+		// A new flow's judgement (where it leaves, or at its first
+		// reply) is the egress one it is; a revocation is reported in
+		// the direction of the packet it cut.
+		if (mode == MODE_OUTPUT || mode == MODE_VETH_FIRST)
+			return deny_at(veth, DIR_EGRESS, &judged, reason, now);
+		return deny_at(veth, dir, &judged, REASON_REVOKED, now);
 	}
 	__u8 node = reason == REASON_NODE ? CT_NODE : 0;
 	if (mode == MODE_VETH_FIRST)
-		return allow_new(DIR_EGRESS, family, &key, gen, flags | node, now, reason);
+		return allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE | node, now, reason);
 	if (mode == MODE_OUTPUT) {
 		allow_new(DIR_EGRESS, family, &key, gen, CT_SERVICE | node, now, reason);
 		__u32 next = skb->cb[CB_NEXT];
@@ -941,13 +977,21 @@ int uplink_after_nat(struct __sk_buff *skb)
 // to a socket of the node (a host-network backend, the node itself, a
 // socket bound to the frontend), where no TC egress runs: reached by a
 // tail call from local_after_nat, it judges the packet's destination,
-// translated already, with the identifier's maps. It does not track the
-// flow (the frontend is not in the packet any more): the first reply does,
-// at the pod's veth (MODE_VETH_FIRST), and until then each packet is judged
-// here. An allowed packet is counted there, once for the flow.
+// translated already, with the identifier's maps. A translated flow is not
+// tracked here (the frontend is not in the packet any more): its first
+// reply is, at the pod's veth (MODE_VETH_FIRST), and until then each packet
+// is judged here, counted there once for the flow. A flow to a socket bound
+// to the frontend itself, which the kernel did not translate, is tracked
+// here (CT_DIRECT): nothing at the veth could tell its replies from new
+// flows.
 SEC("cgroup_skb/ingress")
 int pod_local(struct __sk_buff *skb)
 {
+	// Stamped by one of this identifier's veths, or not a stamp at all
+	// (another component's mark in the same bits): left alone.
+	__u32 veth = skb->ingress_ifindex;
+	if (!bpf_map_lookup_elem(&sources, &veth))
+		return 1;
 	unstamp(skb);
 	struct flow f;
 	if (parse_delivered(skb, &f) != PARSE_OK) {
@@ -966,10 +1010,22 @@ int pod_local(struct __sk_buff *skb)
 		return 1;
 	int reason = f.family == 4 ? judge(DIR_EGRESS, 4, side, enforced, f.dst.v6, f.proto, f.dport)
 				   : judge(DIR_EGRESS, 6, side, enforced, f.dst.v6, f.proto, f.dport);
-	if (!reason_denies(reason))
+	__u64 now = now_ns();
+	if (reason_denies(reason)) {
+		deny_at(veth, DIR_EGRESS, &f, reason, now);
+		return 0;
+	}
+	if (!is_frontend(f.family, &f.dst, f.dport, f.proto))
 		return 1;
-	deny_at(skb->ingress_ifindex, DIR_EGRESS, &f, reason, now_ns());
-	return 0;
+	union ct_key key;
+	if (f.family == 4) {
+		ct_key_fill(&key, 4, DIR_EGRESS, f.src.v6, f.dst.v6, f.sport, f.dport, f.proto, veth);
+		allow_new(DIR_EGRESS, 4, &key, gen, CT_DIRECT | (reason == REASON_NODE ? CT_NODE : 0), now, reason);
+	} else {
+		ct_key_fill(&key, 6, DIR_EGRESS, f.src.v6, f.dst.v6, f.sport, f.dport, f.proto, veth);
+		allow_new(DIR_EGRESS, 6, &key, gen, CT_DIRECT | (reason == REASON_NODE ? CT_NODE : 0), now, reason);
+	}
+	return 1;
 }
 
 // local_after_nat runs at the ingress of the cgroup the sweeper hooks (the
@@ -982,5 +1038,7 @@ int local_after_nat(struct __sk_buff *skb)
 	if (!s)
 		return 1;
 	bpf_tail_call(skb, &local_judges, s - 1);
-	return 0; // no judge in the slot: it cannot be judged
+	// No judge in the slot: no identifier holds it, so no veth stamped
+	// the mark (another component's in the same bits).
+	return 1;
 }

@@ -96,8 +96,11 @@ enum judge_mode {
 	// in the direction the pod opened it, or a reply.
 	MODE_VETH_FORWARD = 1,
 	MODE_VETH_REPLY = 2,
-	// At the pod's veth, the first reply to a new flow that no judge saw:
-	// delivered to a socket of the node, it met no TC egress.
+	// At the pod's veth, a packet from a frontend that nothing tracked:
+	// the first reply of a flow no judge tracked (delivered to a socket of
+	// the node, which has no TC egress; its entry evicted; no uplink
+	// hook), or a new flow from the frontend's address and port, which
+	// the kernel's entry tells apart.
 	MODE_VETH_FIRST = 3,
 };
 

@@ -383,12 +383,14 @@ func TestServiceFlowTrackedAndRevoked(t *testing.T) {
 
 // TestServiceDeliveredOnNode: a Service whose backend is a socket of the
 // node (a host-network pod, the node itself) is delivered without meeting
-// a TC egress; its flow is judged on the backend at the first reply, before
-// the client sees it, and tracked so that the rest of the flow passes. A
-// frontend the kernel does not translate (a socket bound to the ClusterIP
-// behind a notrack rule, as node-local DNS does) is judged on itself. The
-// client is ingress-isolated too, so that an untracked reply would be
-// refused as a new flow.
+// a TC egress; its flow is judged on the backend on arrival (the local
+// judge) and at the first reply, before the client sees it, and tracked so
+// that the rest of the flow passes. A frontend the kernel does not
+// translate (a socket bound to the ClusterIP behind a notrack rule, as
+// node-local DNS does) is judged on itself, and tracked by the local judge.
+// The client is ingress-isolated too, so that an untracked reply would be
+// refused as a new flow, as is a packet from a frontend's address and port
+// that answers nothing.
 func TestServiceDeliveredOnNode(t *testing.T) {
 	requireAfterNAT(t)
 	for _, a := range []serviceAddrs{serviceV4, serviceV6} {
@@ -411,12 +413,21 @@ func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
 		"add chain "+a.nft+" raw out { type filter hook output priority -300; }\n"+
 		"add rule "+a.nft+" raw pre "+a.match+" daddr "+direct.Addr().String()+" notrack\n"+
 		"add rule "+a.nft+" raw out "+a.match+" saddr "+direct.Addr().String()+" notrack\n", "nft", "-f", "-")
-	netnsutil.Echo(t, s.node, hostPort)
-	netnsutil.Echo(t, s.node, bound)
+	// The servers' sockets in the cgroup the local judge hooks.
+	inside := hookedCgroup(t, s.g)
+	inside(func() {
+		netnsutil.Echo(t, s.node, hostPort)
+		netnsutil.Echo(t, s.node, bound)
+	})
+	// A listener in the client pod, for packets from a frontend's address
+	// and port that answer nothing the pod sent.
+	forged := netip.AddrPortFrom(a.client.Addr(), 7777)
+	received := udpEcho(t, s.client, forged)
 	if _, _, err := s.g.SetServices([]Frontend{
 		{a.clusterIP.Addr(), a.clusterIP.Port(), unix.IPPROTO_TCP},
 		{toNode.Addr(), toNode.Port(), unix.IPPROTO_TCP},
 		{direct.Addr(), direct.Port(), unix.IPPROTO_TCP},
+		{direct.Addr(), direct.Port(), unix.IPPROTO_UDP},
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -453,6 +464,15 @@ func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
 				t.Errorf("%s: %s (%s) carries data %v, want %v", c.name, p.what, p.dst, got, p.want)
 			}
 		}
+		// The pod's ingress admits nothing: a datagram from the
+		// frontend's address and port is a new flow, not a reply,
+		// whatever the egress allows.
+		before := received()
+		sendFrom(t, s.node, direct, forged)
+		time.Sleep(200 * time.Millisecond)
+		if received() != before {
+			t.Errorf("%s: a datagram from %s, answering nothing, reached the ingress-isolated pod", c.name, direct)
+		}
 	}
 	c, err := s.cli.ReadCounters()
 	if err != nil {
@@ -461,6 +481,20 @@ func serviceDeliveredOnNode(t *testing.T, a serviceAddrs) {
 	if c[policy.Egress][ReasonCTEstablished] == 0 || c[policy.Ingress][ReasonCTReply] == 0 {
 		t.Errorf("counters %v: the flows' later packets did not pass as established and replies", c)
 	}
+}
+
+// sendFrom sends a datagram from the address and port from, in n, to to.
+func sendFrom(t *testing.T, n ns.NetNS, from, to netip.AddrPort) {
+	t.Helper()
+	netnsutil.Do(t, n, func() error {
+		c, err := net.ListenPacket("udp", from.String())
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_, err = c.WriteTo([]byte("x"), net.UDPAddrFromAddrPort(to))
+		return err
+	})
 }
 
 // roundTrips tells whether a connection from n to dst carries a byte there

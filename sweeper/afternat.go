@@ -76,10 +76,15 @@ func (r *runner) syncUplinks() {
 
 // syncLocal hooks the judge of Service flows delivered to the node's own
 // sockets at the ingress of --judge-local-cgroup, once the kernel can
-// judge after the translation; each pass tries again until it is hooked. A
-// sweeper that starts again updates the pinned link to its own program.
+// judge after the translation; each pass tries again until it is hooked,
+// and hooks it again if its pin went. A sweeper that starts again updates
+// the pinned link to its own program.
 func (r *runner) syncLocal() {
-	if r.localCgroup == "" || r.localHooked || !bpf.AfterNATSupported() {
+	if r.localCgroup == "" || !bpf.AfterNATSupported() {
+		return
+	}
+	pin := pinpath.Root(r.pins.Path()).LocalLink()
+	if _, ok := localhook.Hooked(pin); ok && r.localHooked {
 		return
 	}
 	g, err := r.pins.Global()
@@ -92,7 +97,6 @@ func (r *runner) syncLocal() {
 		return
 	}
 	defer p.Close() // the link holds it
-	pin := pinpath.Root(r.pins.Path()).LocalLink()
 	if err := localhook.Hook(r.localCgroup, pin, p); err != nil {
 		r.log.Error("hook the local judge of Service flows; the next pass tries again", "error", err)
 		return

@@ -58,7 +58,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	criSocket := fs.String("cri-socket", adopt.DefaultCRISocket, "with --adopt: the container runtime's CRI endpoint")
 	adoptInterval := fs.Duration("adopt-interval", 30*time.Second, "with --adopt: how often to look for pods to adopt besides the start and each repair of the chain")
 	judgeUplinks := fs.Bool("judge-uplinks", true, "hook the judge of pods' Service flows on the TC egress of the node's interfaces other than loopback and veths, as they appear: a flow translated to a backend off the node is judged there on the backend (false: such flows leave unjudged; only for a node where another component does it)")
-	localCgroup := fs.String("judge-local-cgroup", "auto", "hook the judge of pods' Service flows delivered to the node's own sockets (host-network pods, the node itself) at the inet ingress of this cgroup v2 directory: auto is the root of the node's cgroup v2 hierarchy, which holds every socket; none leaves such flows judged only at their first reply (a refused UDP datagram then reaches the socket)")
+	localCgroup := fs.String("judge-local-cgroup", "auto", "hook the judge of pods' Service flows delivered to the node's own sockets (host-network pods, the node itself) at the inet ingress of this cgroup v2 directory: auto is the root of the node's cgroup v2 hierarchy, which holds every socket; none takes an earlier run's hook off and leaves such flows judged only at their first reply (a refused UDP datagram then reaches the socket); where auto finds no cgroup v2 hierarchy the sweeper runs without the hook")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -145,9 +145,14 @@ func cmdRun(args []string, stdout, stderr io.Writer) error {
 	}
 	switch *localCgroup {
 	case "none":
+		// An earlier run's hook would go on judging with the programs
+		// of its build.
+		if err := localhook.Release(pinpath.Root(c.pinRoot).LocalLink()); err != nil {
+			return err
+		}
 	case "auto":
 		if r.localCgroup, err = localhook.Root(); err != nil {
-			return usageError{fmt.Errorf("--judge-local-cgroup=auto: %w (name the directory, or none)", err)}
+			log.Warn("the judge of Service flows delivered to the node's sockets is not hooked: such a flow is judged at its first reply, and what it sends before reaches the socket (--judge-local-cgroup names a directory)", "error", err)
 		}
 	default:
 		r.localCgroup = *localCgroup

@@ -54,7 +54,7 @@ kdie() {
 # ensure_host_tools installs what the host needs to build and boot guests.
 ensure_host_tools() {
 	local -A need=([qemu-system-x86_64]=qemu-system-x86 [depmod]=kmod [modprobe]=kmod [cpio]=cpio
-		[dpkg-deb]=dpkg [xz]=xz-utils [zstd]=zstd [timeout]=coreutils)
+		[dpkg-deb]=dpkg [xz]=xz-utils [zstd]=zstd [timeout]=coreutils [nft]=nftables)
 	local missing=() cmd
 	for cmd in "${!need[@]}"; do
 		command -v "$cmd" >/dev/null 2>&1 || PATH=$PATH:/usr/sbin:/sbin command -v "$cmd" >/dev/null 2>&1 || missing+=("${need[$cmd]}")
@@ -331,6 +331,7 @@ payload_cpio() {
 		bin=$(command -v "$tool") || kdie "PAYLOAD_TOOLS: no $tool on this host"
 		mkdir -p "$tmp/bin"
 		cp -L "$bin" "$tmp/bin/$tool"
+		! ldd "$bin" | grep -q 'not found' || kdie "PAYLOAD_TOOLS: $bin links a library this host lacks: $(ldd "$bin" | grep 'not found')"
 		for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
 			mkdir -p "$tmp/$(dirname "$lib")"
 			cp -L "$lib" "$tmp/$lib"

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -86,21 +87,32 @@ func Hooked(pin string) (cgroupID uint64, ok bool) {
 
 // Candidates are where Root looks for the root of the node's cgroup v2
 // hierarchy, in order: the host's, as the sweeper's DaemonSet mounts it
-// (unified, then hybrid), then this process's own (unified, then hybrid),
-// which is the node's outside a container. A container's own /sys/fs/cgroup
-// in a cgroup namespace shows only its subtree: hooked, it would cover the
-// container's sockets alone.
-var Candidates = []string{"/host/sys/fs/cgroup", "/host/sys/fs/cgroup/unified", "/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
+// (unified, then hybrid); then, for a process in the host's cgroup
+// namespace only, its own (unified, then hybrid). A container's own
+// /sys/fs/cgroup in a cgroup namespace of its own shows only its subtree:
+// hooked, it would cover the container's sockets alone.
+var (
+	Candidates = []string{"/host/sys/fs/cgroup", "/host/sys/fs/cgroup/unified"}
+	ownRoots   = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}
+)
+
+// initialCgroupNS is the inode of the host's cgroup namespace
+// (PROC_CGROUP_INIT_INO in include/linux/proc_ns.h).
+const initialCgroupNS = "cgroup:[4026531835]"
 
 // Root is the first of Candidates that is a cgroup v2 directory: where the
 // default hook covers every socket of the node.
 func Root() (string, error) {
-	for _, c := range Candidates {
+	cands := Candidates
+	if ns, err := os.Readlink("/proc/self/ns/cgroup"); err == nil && ns == initialCgroupNS {
+		cands = append(slices.Clone(cands), ownRoots...)
+	}
+	for _, c := range cands {
 		if isCgroup2(c) {
 			return c, nil
 		}
 	}
-	return "", fmt.Errorf("no cgroup v2 hierarchy at %s", strings.Join(Candidates, ", "))
+	return "", fmt.Errorf("no cgroup v2 hierarchy of the host at %s", strings.Join(cands, ", "))
 }
 
 func isCgroup2(dir string) bool {

@@ -19,7 +19,7 @@ import (
 // Service flows delivered to the node's sockets at the cgroup it is told
 // (bpf's TestServiceDeliveredOnNodeJudgedOnArrival shows what the judge
 // does there); the hook outlives the sweeper, a second sweeper keeps one
-// hook, and `uninstall` takes it off.
+// hook, one told none takes it off, and `uninstall` takes it off.
 func TestSweeperHooksLocalJudge(t *testing.T) {
 	if !bpf.AfterNATSupported() {
 		t.Skip("no conntrack kfuncs: nothing is judged after the translation here")
@@ -62,6 +62,17 @@ func TestSweeperHooksLocalJudge(t *testing.T) {
 	if _, err := os.Stat(pin); err != nil {
 		t.Fatalf("the hook's pin: %v", err)
 	}
+	// A sweeper told none takes it off, and uninstall finds nothing.
+	cmd, _ := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--judge-local-cgroup=none")
+	c.waitHealthy(t)
+	attached(0)
+	cmd.Process.Kill()
+	cmd.Wait()
+	cmd, logs := c.runSweeper(t, "--interval-min", "1h", "--interval-max", "1h", "--judge-local-cgroup="+cg)
+	logs.waitFor(t, "judged on arrival", 10*time.Second)
+	attached(1)
+	cmd.Process.Kill()
+	cmd.Wait()
 	out, err := c.sweeper(t, "uninstall", "--pin-root", c.pinRoot, "--cni-conf-dir", t.TempDir(), "--cni-bin-dir", t.TempDir())
 	if err != nil && !strings.Contains(err.Error(), "conflist") {
 		t.Fatalf("uninstall: %v\n%s", err, out)
