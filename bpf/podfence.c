@@ -619,6 +619,21 @@ static __always_inline void frag_ports(const int family, struct flow *f)
 	}
 }
 
+// answers tells whether the conntrack entry t is that of a flow the pod
+// opened, of which f, at the pod's veth, is a reply: its original tuple is
+// f reversed (the pod, to the frontend f comes from).
+static __always_inline int answers(const int family, const struct flow *f, const struct translation *t)
+{
+	if (t->sport != f->dport || t->dport != f->sport)
+		return 0;
+	if (family == 4)
+		return t->src.v4 == f->dst.v4 && t->dst.v4 == f->src.v4;
+	const __u32 *a = (const __u32 *)t->src.v6, *b = (const __u32 *)f->dst.v6;
+	const __u32 *c = (const __u32 *)t->dst.v6, *d = (const __u32 *)f->src.v6;
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && c[0] == d[0] && c[1] == d[1] &&
+	       c[2] == d[2] && c[3] == d[3];
+}
+
 // judge_service hands a Service flow to the identifier's judge at the veth,
 // in mode (service.h): a tracked one of a stale generation, judged again on
 // its backend, or the first reply of one no judge tracked. Without a judge
@@ -709,12 +724,18 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 	// A packet from a frontend that nothing tracked: the reply of a flow
 	// the veth stamped and no judge tracked (delivered to a socket of the
 	// node, where no TC egress runs; or its entry evicted), or a new flow
-	// from the frontend's address and port. The judge tells which by the
-	// kernel's conntrack entry: a reply is judged on its backend before
-	// the pod sees it, and tracked; anything else as a new ingress flow.
+	// from the frontend's address and port (an external IP anyone may
+	// give a Service). The judge tells which by the kernel's conntrack
+	// entry: a reply is judged on its backend before the pod sees it, and
+	// tracked; anything else comes back here (cb says so: read only on
+	// this path, which the verifier then walks once), judged below.
 	if (dir == DIR_INGRESS && !v && after_nat && (enforced & (ENFORCE_ANY << DIR_EGRESS)) && !f->opens &&
-	    !f->is_icmp_error && !f->frag && is_frontend(family, &f->src, f->sport, f->proto))
-		return judge_service(skb, dir, family, f, MODE_VETH_FIRST, now);
+	    !f->is_icmp_error && !f->frag && is_frontend(family, &f->src, f->sport, f->proto)) {
+		if (skb->cb[CB_MODE] != CB_NEW_FLOW_0 || skb->cb[CB_NEXT] != CB_NEW_FLOW_1)
+			return judge_service(skb, dir, family, f, MODE_VETH_FIRST, now);
+		skb->cb[CB_MODE] = 0;
+		skb->cb[CB_NEXT] = 0;
+	}
 	if (!v && !(enforced & (ENFORCE_ANY << dir)))
 		return allow_new(dir, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
 	// A new flow to a Service frontend leaves with the slot in its mark,
@@ -748,6 +769,7 @@ static __always_inline int enforce_family(struct __sk_buff *skb, const int dir, 
 
 static __always_inline int enforce(struct __sk_buff *skb, const int dir)
 {
+
 	// A packet that a pod's veth stamped, leaving by this pod's veth:
 	// the sender's judge decides its egress first, then comes back here,
 	// which needs this identifier's slot; without one it cannot be
@@ -813,38 +835,6 @@ int pod_egress(struct __sk_buff *skb)
 
 // ---- After Service translation (service.h) ----
 
-// answers tells whether the conntrack entry t is that of a flow the pod
-// opened, of which f, at the pod's veth, is a reply: its original tuple is
-// f reversed (the pod, to the frontend f comes from).
-static __always_inline int answers(const int family, const struct flow *f, const struct translation *t)
-{
-	if (t->sport != f->dport || t->dport != f->sport)
-		return 0;
-	if (family == 4)
-		return t->src.v4 == f->dst.v4 && t->dst.v4 == f->src.v4;
-	const __u32 *a = (const __u32 *)t->src.v6, *b = (const __u32 *)f->dst.v6;
-	const __u32 *c = (const __u32 *)t->dst.v6, *d = (const __u32 *)f->src.v6;
-	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && c[0] == d[0] && c[1] == d[1] &&
-	       c[2] == d[2] && c[3] == d[3];
-}
-
-// new_ingress judges f, at the pod's veth ifindex, as a new flow from its
-// peer, as enforce_family does one.
-static __always_inline int new_ingress(const int family, struct flow *f, struct id_state *st, __u32 gen,
-				       __u32 side, __u32 veth, __u64 now)
-{
-	union ct_key key;
-	ct_key_fill(&key, family, DIR_INGRESS, f->src.v6, f->dst.v6, f->sport, f->dport, f->proto, veth);
-	asm volatile("" ::: "memory"); // after the generation (enforce_family)
-	__u8 enforced = side ? *(volatile __u8 *)&st->enforced_1 : *(volatile __u8 *)&st->enforced;
-	if (!(enforced & (ENFORCE_ANY << DIR_INGRESS)))
-		return allow_new(DIR_INGRESS, family, &key, gen, 0, now, REASON_NOT_ISOLATED);
-	int reason = judge(DIR_INGRESS, family, side, enforced, f->src.v6, f->proto, f->dport);
-	if (reason_denies(reason))
-		return deny_at(veth, DIR_INGRESS, f, reason, now);
-	return allow_new(DIR_INGRESS, family, &key, gen, reason == REASON_NODE ? CT_NODE : 0, now, reason);
-}
-
 // judge_translated judges the Service flow f of the packet in direction
 // dir on its backend, as mode says where it runs, and tracks it under the
 // tuple the pod's veth sees. The sender's identifier's program: its maps,
@@ -865,20 +855,18 @@ static __always_inline int judge_translated(struct __sk_buff *skb, const int fam
 
 	struct translation t;
 	union ct_key key;
-	if (translated(skb, family, f, mode == MODE_VETH_FORWARD, &t)) {
-		// A first reply answers a flow the pod opened, or it is none:
-		// a packet from a frontend's address and port (an external IP
-		// anyone may give a Service) is a new flow towards the pod.
-		if (mode == MODE_VETH_FIRST && !answers(family, f, &t))
-			return new_ingress(family, f, st, gen, side, veth, now);
-	} else if (mode == MODE_VETH_FIRST) {
-		// Nothing the kernel tracks (a socket bound to the frontend
-		// behind a notrack rule, as node-local DNS answers on the
-		// cluster DNS's ClusterIP) tells a reply from a new flow: the
-		// local judge tracked the flows it allowed to such a socket
-		// (pod_local), so this is a new flow.
-		return new_ingress(family, f, st, gen, side, veth, now);
-	} else {
+	if (!translated(skb, family, f, mode == MODE_VETH_FORWARD, &t) ||
+	    (mode == MODE_VETH_FIRST && !answers(family, f, &t))) {
+		// No flow the pod opened (a socket bound to the frontend behind
+		// a notrack rule has none either: pod_local tracked the flows
+		// it allowed to one): back to the pod's ingress program, this
+		// identifier's, as a new flow from the frontend.
+		if (mode == MODE_VETH_FIRST) {
+			skb->cb[CB_MODE] = CB_NEW_FLOW_0;
+			skb->cb[CB_NEXT] = CB_NEW_FLOW_1;
+			bpf_tail_call(skb, &judges, 2 * slot + 1);
+			return deny_at(veth, DIR_INGRESS, f, REASON_UNTRANSLATED, now);
+		}
 		// At the veth, the kernel forgot the flow (an idle UDP flow, an
 		// endpoint's entries flushed): so does podfence, and the flow's
 		// next packet is a new one, judged as such.

@@ -88,6 +88,13 @@ volatile const __u8 dispatch = 0;
 #define CB_NEXT 0 // 1 + the judges index to go on to once allowed; 0: none
 #define CB_MODE 1 // enum judge_mode
 
+// What the judge writes in cb[CB_MODE] and cb[CB_NEXT] when it hands a
+// packet back to its pod's ingress program as a new flow (MODE_VETH_FIRST
+// found no flow the pod opened): two words, so that what an earlier layer
+// left in cb cannot pass for them.
+#define CB_NEW_FLOW_0 0x50460a11u
+#define CB_NEW_FLOW_1 0xafb9f5eeu
+
 enum judge_mode {
 	// At the device the packet leaves by, after the translation: a new
 	// flow the veth stamped.
