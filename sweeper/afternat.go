@@ -84,7 +84,7 @@ func (r *runner) syncLocal() {
 		return
 	}
 	pin := pinpath.Root(r.pins.Path()).LocalLink()
-	if _, ok := localhook.Hooked(pin); ok && r.localHooked {
+	if r.localHooked && localhook.Hooked(pin) {
 		return
 	}
 	g, err := r.pins.Global()

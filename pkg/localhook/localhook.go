@@ -70,19 +70,14 @@ func Release(pin string) error {
 	return nil
 }
 
-// Hooked tells whether a hook is pinned at pin, and the cgroup it hooks
-// (its ID: the directory's inode number).
-func Hooked(pin string) (cgroupID uint64, ok bool) {
+// Hooked tells whether a hook is pinned at pin.
+func Hooked(pin string) bool {
 	l, err := link.LoadPinnedLink(pin, nil)
 	if err != nil {
-		return 0, false
+		return false
 	}
-	defer l.Close()
-	info, err := l.Info()
-	if err != nil || info.Cgroup() == nil {
-		return 0, true
-	}
-	return info.Cgroup().CgroupId, true
+	l.Close()
+	return true
 }
 
 // Candidates are where Root looks for the root of the node's cgroup v2

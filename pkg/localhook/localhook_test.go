@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 
+	"github.com/podfence/podfence/pkg/objinfo"
 	"github.com/podfence/podfence/test/kernel"
 )
 
@@ -31,11 +32,10 @@ func passAll(t *testing.T) *ebpf.Program {
 
 func programID(t *testing.T, p *ebpf.Program) ebpf.ProgramID {
 	t.Helper()
-	info, err := p.Info()
+	id, err := objinfo.ProgramID(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	id, _ := info.ID()
 	return id
 }
 
@@ -75,7 +75,7 @@ func TestHook(t *testing.T) {
 		t.Fatal(err)
 	}
 	attachedIs(first, programID(t, b))
-	if _, ok := Hooked(pin); !ok {
+	if !Hooked(pin) {
 		t.Error("no hook pinned")
 	}
 
@@ -91,7 +91,7 @@ func TestHook(t *testing.T) {
 		}
 	}
 	attachedIs(second)
-	if _, ok := Hooked(pin); ok {
+	if Hooked(pin) {
 		t.Error("a hook is still pinned after Release")
 	}
 }
